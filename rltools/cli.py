@@ -1,0 +1,105 @@
+"""The `rltools` command line.
+
+Invariant: this module and everything it imports at start-up are light (no torch, no vLLM), so
+`submit --dry-run` and `render` work on a login node; heavy modules are imported inside the
+commands that run a role.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import RLConfig, dump_config, load_config
+from .errors import UserError
+from .launch.plan import describe, plan
+from .launch.sbatch import render_sbatch
+from .paths import RunPaths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return UserError.exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rltools", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    submit = commands.add_parser("submit", help="run the RL job described by CONFIG")
+    _config_arguments(submit)
+    submit.add_argument(
+        "--dry-run", action="store_true", help="print the job script (stdout) and topology (stderr); change nothing"
+    )
+    submit.set_defaults(func=cmd_submit)
+
+    render = commands.add_parser("render", help="prepare the run directory and write the sbatch script")
+    _config_arguments(render)
+    render.add_argument("-o", "--output", type=Path, help="script path (default: RUN_DIR/slurm/job.sbatch)")
+    render.set_defaults(func=cmd_render)
+    return parser
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="YAML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set schedule.steps=10 (repeatable)",
+    )
+
+
+def cmd_submit(args) -> int:
+    config = load_config(args.config, args.overrides)
+    script = render_sbatch(config)
+    if args.dry_run:
+        print(describe(config, plan(config)), file=sys.stderr)
+        sys.stdout.write(script)
+        return 0
+    prepare_run_dir(config, script)
+    raise UserError(
+        "starting the RL job is not built yet: the generator and trainer roles arrive with the RL loop. "
+        f"The run directory {config.run.dir} is prepared; inspect the job with --dry-run or `rltools render`."
+    )
+
+
+def cmd_render(args) -> int:
+    config = load_config(args.config, args.overrides)
+    script = render_sbatch(config)
+    paths = prepare_run_dir(config, script)
+    target = args.output or paths.sbatch_script
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(script)
+    print(describe(config, plan(config)), file=sys.stderr)
+    print(f"wrote {target}; submit it with: sbatch {target}", file=sys.stderr)
+    return 0
+
+
+def prepare_run_dir(config: RLConfig, script: str) -> RunPaths:
+    """Create the run directory with its secret, resolved config and job script.
+
+    A run directory already holding a different config is refused: overwriting it would change a
+    run under the feet of its checkpoints.
+    """
+    paths = RunPaths(config.run.dir)
+    text = dump_config(config)
+    if paths.config.exists() and paths.config.read_text() != text:
+        raise UserError(
+            f"{paths.config} already holds a different config; choose another run.name or run.dir "
+            "(e.g. --set run.name=NEW) or remove that run directory"
+        )
+    paths.create()
+    paths.config.write_text(text)
+    paths.sbatch_script.write_text(script)
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())

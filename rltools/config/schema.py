@@ -1,0 +1,246 @@
+"""The typed run configuration: one class per section, a docstring under every field.
+
+Invariant: every key a user can write is declared here with its type and default; unknown keys are
+errors (`extra="forbid"`), so a typo never silently falls back to a default. Components receive
+their own section, never the whole tree.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .types import (
+    EnvName,
+    EnvPath,
+    RunName,
+    SbatchOption,
+    SbatchValue,
+    ShellLine,
+    SlurmMem,
+    SlurmTime,
+    SlurmWord,
+)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class RunConfig(Section):
+    name: RunName
+    """Run name: the Slurm job name and the default run directory's name."""
+    dir: EnvPath | None = None
+    """Run directory (created with mode 0700). Default: runs/<run.name> under the current directory."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation; the same seed reproduces the run."""
+
+
+class ModelConfig(Section):
+    path: EnvPath
+    """Directory of the base model in Hugging Face format (config.json, safetensors, tokenizer)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Compute dtype of the trainer and the generator."""
+    quantization: Literal["none", "nvfp4"] = "none"
+    """Format of the frozen base weights: none (as stored) or nvfp4 (4-bit, LoRA-only training)."""
+
+
+class LoraConfig(Section):
+    enabled: bool = True
+    """Train LoRA adapters over a frozen base (true) or all weights (false)."""
+    rank: int = Field(16, ge=1)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator: the adapter update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names of the linear layers that get adapters."""
+
+
+class DataConfig(Section):
+    type: Literal["arithmetic", "jsonl", "parquet"] = "arithmetic"
+    """Prompt source: generated arithmetic problems, or a JSONL / Parquet file of problems."""
+    train_path: EnvPath | None = None
+    """Training problems file (jsonl / parquet)."""
+    eval_path: EnvPath | None = None
+    """Held-out problems file for evaluation (jsonl / parquet)."""
+    prompt_key: str = "problem"
+    """Column holding the problem text."""
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+    prompt_template: str = "{prompt}"
+    """Template applied to each problem; `{prompt}` is replaced by the problem text."""
+
+    @model_validator(mode="after")
+    def _needs_file(self):
+        if self.type != "arithmetic" and self.train_path is None:
+            raise ValueError(f"data.type {self.type} needs data.train_path (the problems file)")
+        return self
+
+
+class RewardConfig(Section):
+    type: Literal["exact_integer", "boxed_integer", "answer_line", "math_verify", "custom"] = "exact_integer"
+    """Verifier: exact_integer (the completion is the answer), boxed_integer (last \\boxed{N}),
+    answer_line (DAPO-style 'Answer: N'), math_verify, or custom (reward.function)."""
+    function: str | None = None
+    """For type custom: 'module:function' called as f(completion, answer) -> float. Runs your code."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Hard limit on one reward call (math_verify and custom run in a worker pool)."""
+
+    @model_validator(mode="after")
+    def _custom_needs_function(self):
+        if self.type == "custom" and not self.function:
+            raise ValueError("reward.type custom needs reward.function: 'module:function'")
+        return self
+
+
+class AlgorithmConfig(Section):
+    type: Literal["grpo", "dr_grpo"] = "grpo"
+    """grpo (group mean/std advantages, per-sequence mean) or dr_grpo (no std, token-sum)."""
+    learning_rate: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    clip_eps_low: float = Field(0.2, ge=0)
+    """PPO clip: the ratio is kept above 1 - clip_eps_low."""
+    clip_eps_high: float = Field(0.2, ge=0)
+    """PPO clip: the ratio is kept below 1 + clip_eps_high."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the reference (base) policy; 0 disables it."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm."""
+
+
+class GeneratorConfig(Section):
+    backend: Literal["vllm"] = "vllm"
+    """Inference engine."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs per vLLM engine; one engine per generator task."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Completion length limit."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    """KV-cache size in bytes; set it on CPU, where vLLM otherwise takes ~90% of RAM."""
+
+
+class TrainerConfig(Section):
+    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    """Training backend: fsdp2 (data-parallel sharding) or megatron (tensor/pipeline/expert parallel)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward pass on one rank."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Megatron tensor-parallel degree."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Megatron pipeline-parallel degree."""
+    expert_parallel: int = Field(1, ge=1)
+    """Megatron expert-parallel degree (MoE models)."""
+
+    @model_validator(mode="after")
+    def _parallel_needs_megatron(self):
+        if self.backend == "fsdp2":
+            for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
+                if getattr(self, key) != 1:
+                    raise ValueError(f"trainer.{key} needs trainer.backend: megatron (fsdp2 shards data-parallel only)")
+        return self
+
+
+class ScheduleConfig(Section):
+    steps: int = Field(20, ge=1)
+    """Optimizer steps in the run."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Distinct prompts sampled per step (split across generator ranks)."""
+    group_size: int = Field(8, ge=2)
+    """Completions sampled per prompt (GRPO group)."""
+    max_staleness: int = Field(0, ge=0)
+    """Policy versions a generator may run ahead: 0 on-policy, 1 overlaps generation and training."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Checkpoint every N steps (and at the end, and on preemption)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Number of most recent checkpoints kept."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the held-out set every N steps; 0 evaluates only at the end."""
+
+
+class ComponentConfig(Section):
+    nodes: int = Field(1, ge=1)
+    """Nodes of this hetjob component."""
+    ntasks_per_node: int = Field(1, ge=1)
+    """Tasks (processes) per node: one per vLLM engine, or one per trainer rank."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs requested per node (0 on CPU partitions)."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPU cores per task."""
+    mem: SlurmMem | None = None
+    """Memory per node, e.g. 64G; 0 asks for all of it; unset uses the partition default."""
+    partition: SlurmWord | None = None
+    """Partition for this component; default cluster.partition."""
+
+    @property
+    def ntasks(self) -> int:
+        return self.nodes * self.ntasks_per_node
+
+
+class ClusterConfig(Section):
+    model_config = ConfigDict(coerce_numbers_to_str=True)  # environment: {OMP_NUM_THREADS: 1}
+
+    launcher: Literal["slurm", "local"] = "local"
+    """slurm: one heterogeneous Slurm job; local: processes on this machine, no Slurm."""
+    partition: SlurmWord | None = None
+    """Slurm partition (-p)."""
+    account: SlurmWord | None = None
+    """Slurm account (-A)."""
+    qos: SlurmWord | None = None
+    """Slurm QOS, e.g. a preemptible one."""
+    time: SlurmTime = "01:00:00"
+    """Wall-time limit of the job."""
+    generators: ComponentConfig = ComponentConfig()
+    """Hetjob component 0: the vLLM generation engines."""
+    trainers: ComponentConfig = ComponentConfig()
+    """Hetjob component 1: the trainer ranks."""
+    setup: list[ShellLine] = []
+    """Shell lines run in the batch script before the job steps (module load, conda activate).
+    They are your own shell code, run verbatim."""
+    environment: dict[EnvName, str] = {}
+    """Environment variables exported to every task (values are shell-quoted)."""
+    python: EnvPath | None = None
+    """Python interpreter that runs the role entry points; default: the one running rltools."""
+    preempt_signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = "USR2"
+    """Signal Slurm sends to the tasks preempt_grace_s seconds before the time limit."""
+    preempt_grace_s: int = Field(90, ge=10, le=65535)
+    """Seconds between the warning signal and the kill: enough to write a checkpoint."""
+    requeue: bool = True
+    """Requeue the job after preemption or a wall-time stop, and resume from the checkpoint."""
+    max_requeues: int = Field(3, ge=0)
+    """Give up after this many restarts."""
+    sbatch_extra: dict[SbatchOption, SbatchValue] = {}
+    """Extra job-level sbatch options, e.g. {constraint: gpu, exclusive: ''} -> --constraint=gpu --exclusive."""
+
+
+class RLConfig(Section):
+    """A whole run: what to train, how, and where."""
+
+    run: RunConfig
+    """Run identity and location."""
+    model: ModelConfig
+    """The base model."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters."""
+    data: DataConfig = DataConfig()
+    """Training and evaluation problems."""
+    reward: RewardConfig = RewardConfig()
+    """The verifiable reward."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Advantages, loss and optimizer."""
+    generator: GeneratorConfig = GeneratorConfig()
+    """The generation (vLLM) component."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The training component."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Steps, batch shape and cadence."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Where and how the job runs."""

@@ -1,0 +1,86 @@
+"""The job's topology: which hetjob component runs which role, on how many tasks.
+
+Invariant: component 0 is always the generators and component 1 the trainers, for the Slurm and
+the local launcher alike; RoleEnv relies on these indices to find trainer rank 0.
+"""
+
+from dataclasses import dataclass
+
+from ..config.schema import ComponentConfig, RLConfig
+from ..errors import UserError
+
+GENERATOR_GROUP = 0
+TRAINER_GROUP = 1
+
+
+@dataclass(frozen=True)
+class Component:
+    index: int
+    """Hetjob component index (`srun --het-group=<index>`)."""
+    name: str
+    """Config key under `cluster:` (generators / trainers)."""
+    role: str
+    """Role of each task: generator or trainer."""
+    entry: str
+    """Python module each task runs (`python -m <entry> RUN_DIR`)."""
+    resources: ComponentConfig
+
+
+def plan(config: RLConfig, entries: dict[str, str] | None = None) -> list[Component]:
+    """The two components of the job, after checking that the shapes fit together.
+
+    `entries` replaces a role's entry module (e.g. the cluster self-check instead of the RL loop).
+    """
+    entries = {"generator": "jobs.generator", "trainer": "jobs.trainer", **(entries or {})}
+    components = [
+        Component(GENERATOR_GROUP, "generators", "generator", entries["generator"], config.cluster.generators),
+        Component(TRAINER_GROUP, "trainers", "trainer", entries["trainer"], config.cluster.trainers),
+    ]
+    check_topology(config)
+    return components
+
+
+def check_topology(config: RLConfig) -> None:
+    gens, trainers = config.cluster.generators, config.cluster.trainers
+    tp = config.generator.tensor_parallel_size
+    if gens.gpus_per_node and gens.ntasks_per_node * tp != gens.gpus_per_node:
+        raise UserError(
+            f"cluster.generators: {gens.ntasks_per_node} engine(s) per node x generator.tensor_parallel_size {tp} "
+            f"= {gens.ntasks_per_node * tp} GPUs, but gpus_per_node is {gens.gpus_per_node}; "
+            f"set cluster.generators.ntasks_per_node to {max(1, gens.gpus_per_node // tp)}"
+        )
+    if trainers.gpus_per_node and trainers.ntasks_per_node != trainers.gpus_per_node:
+        raise UserError(
+            f"cluster.trainers.ntasks_per_node ({trainers.ntasks_per_node}) must equal "
+            f"cluster.trainers.gpus_per_node ({trainers.gpus_per_node}): one trainer rank per GPU"
+        )
+    t = config.trainer
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    if trainers.ntasks % model_parallel:
+        raise UserError(
+            f"trainer ranks ({trainers.ntasks}) must be a multiple of trainer.tensor_parallel x "
+            f"trainer.pipeline_parallel ({model_parallel})"
+        )
+
+
+def describe(config: RLConfig, components: list[Component]) -> str:
+    """A few lines a user reads before trusting the job: who runs where, on what."""
+    lines = [f"run {config.run.name}: {config.run.dir}"]
+    for c in components:
+        r = c.resources
+        gpus = f", {r.gpus_per_node} GPU(s)/node" if r.gpus_per_node else ", CPU only"
+        lines.append(
+            f"  component {c.index} {c.name}: {r.nodes} node(s) x {r.ntasks_per_node} task(s){gpus}, "
+            f"{r.cpus_per_task} CPU(s)/task -> {r.ntasks} {c.role}(s) running {c.entry}"
+        )
+    g, t, s = config.generator, config.trainer, config.schedule
+    lines.append(
+        f"  generation: {g.backend}, TP {g.tensor_parallel_size}; training: {t.backend}"
+        + (f", TP {t.tensor_parallel} PP {t.pipeline_parallel} EP {t.expert_parallel}" if t.backend == "megatron" else "")
+        + (f", LoRA r={config.lora.rank}" if config.lora.enabled else ", full fine-tuning")
+    )
+    lines.append(
+        f"  schedule: {s.steps} steps x {s.prompts_per_step} prompts x {s.group_size} samples, "
+        f"max_staleness {s.max_staleness}, checkpoint every {s.checkpoint_every}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""RunPaths: the one owner of every path inside a run directory.
+
+Invariant: no other module builds a run-directory path by hand; a layout change happens here only.
+The run directory is private to its owner (0700) and holds a 0600 secret used to authenticate
+the weight-sync rendezvous.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+ROLES = ("generator", "trainer")
+
+
+class RunPaths:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    # -- files at the top -------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        """The resolved config every role reads."""
+        return self.root / "config.yaml"
+
+    @property
+    def secret(self) -> Path:
+        return self.root / "secret"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    # -- Slurm ------------------------------------------------------------------------------
+    @property
+    def slurm_dir(self) -> Path:
+        return self.root / "slurm"
+
+    @property
+    def sbatch_script(self) -> Path:
+        return self.slurm_dir / "job.sbatch"
+
+    @property
+    def submitit_dir(self) -> Path:
+        return self.slurm_dir / "submitit"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.slurm_dir / "logs"
+
+    def component_log(self, component: str, stream: str) -> Path:
+        """The batch-level log of a hetjob component (`generators`/`trainers`, `out`/`err`)."""
+        return self.log_dir / f"{component}.{stream}"
+
+    def attempt_log_dir(self, attempt: int | str) -> Path:
+        """Per-task logs of one attempt (0 = first start, +1 per requeue)."""
+        return self.log_dir / f"attempt_{attempt}"
+
+    def task_log(self, attempt: int | str, role: str, rank: int | str) -> Path:
+        return self.attempt_log_dir(attempt) / f"{role}_{rank}.log"
+
+    # -- data planes (used by later stages) -------------------------------------------------
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    def rollout_step(self, step: int) -> Path:
+        return self.rollouts / f"step_{step}"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tb"
+
+    @property
+    def selfcheck_address(self) -> Path:
+        """Where trainer rank 0 of the cluster self-check publishes host:port."""
+        return self.slurm_dir / "selfcheck_address.json"
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.root))
+
+    # -- creation ---------------------------------------------------------------------------
+    def create(self) -> None:
+        """Create the run directory (0700) and its secret (0600, kept if it already exists)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        for sub in (self.slurm_dir, self.log_dir):
+            sub.mkdir(mode=0o700, exist_ok=True)
+        if not self.secret.exists():
+            fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+
+    def read_secret(self) -> str:
+        return self.secret.read_text().strip()

@@ -1,0 +1,51 @@
+"""The slurm tier: real jobs on the local cluster from scripts/local-slurm.sh."""
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """Skip without a local cluster, except in CI (RLTOOLS_REQUIRE_SLURM=1), where it must be up."""
+    problem = None
+    if not shutil.which("sbatch"):
+        problem = "sbatch not found"
+    else:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+        if "UP" not in ping.stdout:
+            problem = f"slurmctld not answering: {ping.stdout.strip()} {ping.stderr.strip()}"
+    if problem:
+        if os.environ.get("RLTOOLS_REQUIRE_SLURM") == "1":
+            pytest.fail(f"local Slurm required but {problem}; run: bash scripts/local-slurm.sh start")
+        pytest.skip(f"no local Slurm ({problem}); run: bash scripts/local-slurm.sh start")
+
+
+def sbatch(script) -> str:
+    result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def job_states(job_id: str) -> dict[str, str]:
+    """State per hetjob component ('123+0' -> 'COMPLETED'), from squeue: no accounting DB here."""
+    result = subprocess.run(
+        ["squeue", "--states=all", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True
+    )
+    return dict(line.split() for line in result.stdout.splitlines() if line.strip())
+
+
+def wait_for_job(job_id: str, timeout_s: float = 180.0) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = job_states(job_id)
+        if states and not ACTIVE & set(states.values()):
+            return states
+        time.sleep(1.0)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} still {job_states(job_id)} after {timeout_s:.0f} s (cancelled)")
