@@ -40,6 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(render)
     render.add_argument("-o", "--output", type=Path, help="script path (default: RUN_DIR/slurm/job.sbatch)")
     render.set_defaults(func=cmd_render)
+
+    bench = commands.add_parser("bench", help="measure a data plane against its raw reference")
+    kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
+    handoff = kinds.add_parser("handoff", help="rollout shards through the store vs raw file write+fsync+read")
+    handoff.add_argument("--dir", help="directory to measure in (default: here; use your run directory's filesystem)")
+    handoff.add_argument("--repeats", type=int, default=9)
+    weights = kinds.add_parser("weights", help="weight-sync broadcast vs one contiguous gloo broadcast")
+    weights.add_argument("--mb", type=int, default=256, help="size of the model-like tensor set")
+    for sub in (handoff, weights):
+        sub.add_argument("--json", action="store_true", help="print one JSON object")
+        sub.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -79,6 +90,29 @@ def cmd_render(args) -> int:
         args.output.write_text(script)
     print(describe(config, plan(config)), file=sys.stderr)
     print(f"wrote {target}; submit it with: sbatch {target}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import json
+
+    if args.kind == "handoff":
+        from .rollout.bench import run_handoff_bench
+
+        result = run_handoff_bench(repeats=args.repeats, directory=args.dir)
+        summary = (
+            f"hand-off of {result['shard_mb']} MB shards: ours {result['ours_mb_s']} MB/s, raw files "
+            f"{result['reference_mb_s']} MB/s, ratio {result['ratio']}; p50 visible {result['p50_visible_s']} s"
+        )
+    else:
+        from .weight_sync.bench import run_weights_bench
+
+        result = run_weights_bench(total_mb=args.mb)
+        summary = (
+            f"weight broadcast of {result['total_mb']} MB to {result['receivers']} receivers: ours "
+            f"{result['ours_gb_s']} GB/s, one contiguous buffer {result['reference_gb_s']} GB/s, ratio {result['ratio']}"
+        )
+    print(json.dumps(result) if args.json else summary)
     return 0
 
 

@@ -6,10 +6,13 @@ the weight-sync rendezvous.
 """
 
 import os
+import re
 import secrets
 from pathlib import Path
 
 ROLES = ("generator", "trainer")
+_SHARD_NAME = re.compile(r"gen_(\d+)\.h5")
+_STEP_NAME = re.compile(r"step_(\d+)")
 
 
 class RunPaths:
@@ -25,6 +28,10 @@ class RunPaths:
     @property
     def secret(self) -> Path:
         return self.root / "secret"
+
+    @property
+    def run_id_file(self) -> Path:
+        return self.root / "run_id"
 
     @property
     def metrics(self) -> Path:
@@ -66,6 +73,25 @@ class RunPaths:
     def rollout_step(self, step: int) -> Path:
         return self.rollouts / f"step_{step}"
 
+    def rollout_shard(self, step: int, rank: int) -> Path:
+        """Generator `rank`'s shard of `step`; written under a temporary name, then renamed to this."""
+        return self.rollout_step(step) / f"gen_{rank}.h5"
+
+    @staticmethod
+    def shard_rank(name: str) -> int | None:
+        """The generator rank of a final shard file name, None for anything else (temporaries)."""
+        match = _SHARD_NAME.fullmatch(name)
+        return int(match.group(1)) if match else None
+
+    def rollout_steps(self) -> dict[int, Path]:
+        """Existing step directories by step number."""
+        found = {}
+        for entry in self.rollouts.iterdir() if self.rollouts.is_dir() else ():
+            match = _STEP_NAME.fullmatch(entry.name)
+            if match:
+                found[int(match.group(1))] = entry
+        return found
+
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
@@ -83,6 +109,11 @@ class RunPaths:
         return self.root / "tb"
 
     @property
+    def sync_address(self) -> Path:
+        """Where trainer rank 0 publishes the weight-sync store's host:port for generator workers."""
+        return self.root / "weight_sync.json"
+
+    @property
     def selfcheck_address(self) -> Path:
         """Where trainer rank 0 of the cluster self-check publishes host:port."""
         return self.slurm_dir / "selfcheck_address.json"
@@ -97,10 +128,16 @@ class RunPaths:
         os.chmod(self.root, 0o700)
         for sub in (self.slurm_dir, self.log_dir):
             sub.mkdir(mode=0o700, exist_ok=True)
-        if not self.secret.exists():
-            fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
+        for path, value in ((self.secret, secrets.token_hex(32)), (self.run_id_file, secrets.token_hex(8))):
+            if not path.exists():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(value)
 
-    def read_secret(self) -> str:
-        return self.secret.read_text().strip()
+    def read_secret(self) -> bytes:
+        """The run's secret: proves a process may join the weight-sync group."""
+        return bytes.fromhex(self.secret.read_text().strip())
+
+    def read_run_id(self) -> str:
+        """A random id fixed at creation: shards of another run are refused by it."""
+        return self.run_id_file.read_text().strip()

@@ -162,6 +162,8 @@ class ScheduleConfig(Section):
     """Checkpoint every N steps (and at the end, and on preemption)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Number of most recent checkpoints kept."""
+    keep_rollout_steps: int = Field(2, ge=0)
+    """Rollout step directories kept after they are trained on and checkpointed (older ones are deleted)."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on the held-out set every N steps; 0 evaluates only at the end."""
 

@@ -1,0 +1,147 @@
+"""RolloutBatch: the one typed record generators hand to trainers.
+
+Invariant: ragged token arrays are stored flat with offsets (`ids[offsets[i]:offsets[i+1]]` is
+sample i), completion logprobs are aligned one-to-one with completion tokens, and every per-sample
+array has one entry per sample. The constructor checks this, so a batch read from disk or built
+by a generator is consistent or is not built at all.
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # end-of-sequence or a stop string
+    LENGTH = 1  # hit max_new_tokens
+    ABORT = 2  # cancelled (e.g. preemption)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion, as a generator produces it."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    completion_logprobs: Sequence[float]
+    reward: float
+    group_id: int
+    sample_index: int
+    finish_reason: FinishReason
+    text: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutBatch:
+    prompt_ids: np.ndarray  # int32 [total prompt tokens]
+    prompt_offsets: np.ndarray  # int64 [n + 1]
+    completion_ids: np.ndarray  # int32 [total completion tokens]
+    completion_offsets: np.ndarray  # int64 [n + 1]
+    completion_logprobs: np.ndarray  # float32 [total completion tokens], generator's logprob of each token
+    rewards: np.ndarray  # float32 [n]
+    group_ids: np.ndarray  # int64 [n], samples of one prompt share a group id
+    sample_indices: np.ndarray  # int32 [n], index within the group
+    finish_reasons: np.ndarray  # uint8 [n], FinishReason values
+    policy_version: int  # weights version that generated the batch
+    texts: tuple[str, ...] | None = None  # completion texts, for debugging
+
+    DTYPES = {
+        "prompt_ids": np.int32,
+        "prompt_offsets": np.int64,
+        "completion_ids": np.int32,
+        "completion_offsets": np.int64,
+        "completion_logprobs": np.float32,
+        "rewards": np.float32,
+        "group_ids": np.int64,
+        "sample_indices": np.int32,
+        "finish_reasons": np.uint8,
+    }
+
+    def __post_init__(self):
+        for name, dtype in self.DTYPES.items():
+            array = getattr(self, name)
+            if not isinstance(array, np.ndarray) or array.dtype != dtype or array.ndim != 1:
+                raise ValueError(f"RolloutBatch.{name}: expected a 1-d {np.dtype(dtype)} array")
+        n = len(self)
+        for prefix in ("prompt", "completion"):
+            offsets, ids = getattr(self, f"{prefix}_offsets"), getattr(self, f"{prefix}_ids")
+            if offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
+                raise ValueError(f"RolloutBatch.{prefix}_offsets do not cover {prefix}_ids")
+        if len(self.completion_logprobs) != len(self.completion_ids):
+            raise ValueError("RolloutBatch.completion_logprobs must align with completion_ids")
+        for name in ("rewards", "group_ids", "sample_indices", "finish_reasons"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
+        if self.texts is not None and len(self.texts) != n:
+            raise ValueError(f"RolloutBatch.texts has {len(self.texts)} entries for {n} samples")
+
+    def __len__(self) -> int:
+        return len(self.prompt_offsets) - 1
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in self.DTYPES}
+
+    def prompt(self, i: int) -> np.ndarray:
+        return self.prompt_ids[self.prompt_offsets[i] : self.prompt_offsets[i + 1]]
+
+    def completion(self, i: int) -> np.ndarray:
+        return self.completion_ids[self.completion_offsets[i] : self.completion_offsets[i + 1]]
+
+    def logprobs(self, i: int) -> np.ndarray:
+        return self.completion_logprobs[self.completion_offsets[i] : self.completion_offsets[i + 1]]
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, RolloutBatch):
+            return NotImplemented
+        return (
+            self.policy_version == other.policy_version
+            and self.texts == other.texts
+            and all(np.array_equal(a, b) for a, b in zip(self.arrays.values(), other.arrays.values()))
+        )
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample], policy_version: int) -> "RolloutBatch":
+        def flat(key: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+            parts = [np.asarray(getattr(s, key), dtype=dtype) for s in samples]
+            offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+            np.cumsum([len(p) for p in parts], out=offsets[1:])
+            return (np.concatenate(parts) if parts else np.zeros(0, dtype)), offsets
+
+        prompt_ids, prompt_offsets = flat("prompt_ids", np.int32)
+        completion_ids, completion_offsets = flat("completion_ids", np.int32)
+        logprobs, _ = flat("completion_logprobs", np.float32)
+        texts = [s.text for s in samples]
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_offsets=prompt_offsets,
+            completion_ids=completion_ids,
+            completion_offsets=completion_offsets,
+            completion_logprobs=logprobs,
+            rewards=np.array([s.reward for s in samples], dtype=np.float32),
+            group_ids=np.array([s.group_id for s in samples], dtype=np.int64),
+            sample_indices=np.array([s.sample_index for s in samples], dtype=np.int32),
+            finish_reasons=np.array([int(s.finish_reason) for s in samples], dtype=np.uint8),
+            policy_version=policy_version,
+            texts=tuple(texts) if all(t is not None for t in texts) and samples else None,
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """Join batches (e.g. one per generator rank); they must share a policy version."""
+        versions = {b.policy_version for b in batches}
+        if len(versions) != 1:
+            raise ValueError(f"cannot concatenate rollouts of policy versions {sorted(versions)}")
+        joined = {}
+        for name in cls.DTYPES:
+            if name.endswith("_offsets"):
+                starts = np.cumsum([0] + [getattr(b, name)[-1] for b in batches[:-1]])
+                parts = [getattr(b, name)[1:] + start for b, start in zip(batches, starts)]
+                joined[name] = np.concatenate([np.zeros(1, np.int64), *parts]).astype(np.int64)
+            else:
+                joined[name] = np.concatenate([getattr(b, name) for b in batches])
+        texts = None if any(b.texts is None for b in batches) else sum((b.texts for b in batches), ())
+        return cls(**joined, policy_version=versions.pop(), texts=texts)
+

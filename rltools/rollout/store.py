@@ -1,0 +1,83 @@
+"""RolloutStore: the hand-off of rollouts from generators to trainers through the run directory.
+
+Invariants:
+- Generator rank r writes `rollouts/step_<k>/gen_<r>.h5` once (see shard.py for atomicity).
+- The trainer waits for a step's expected ranks with a deadline; polling costs one directory
+  listing per poll with exponential back-off (cheap on Lustre/GPFS/NFS, no busy loop).
+- Retention never deletes a step before it is both consumed and covered by a checkpoint.
+"""
+
+import shutil
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..paths import RunPaths
+from .batch import RolloutBatch
+from .shard import read_shard, write_shard
+
+FIRST_POLL_S = 0.02
+MAX_POLL_S = 2.0
+
+
+class RolloutTimeout(TimeoutError):
+    """A step's shards did not all appear before the deadline; the message names the missing ranks."""
+
+
+class RolloutStore:
+    def __init__(self, paths: RunPaths, run_id: str, keep_steps: int = 2):
+        self.paths = paths
+        self.run_id = run_id
+        self.keep_steps = keep_steps
+
+    # -- generator side ---------------------------------------------------------------------
+    def write(self, step: int, rank: int, batch: RolloutBatch) -> Path:
+        path = self.paths.rollout_shard(step, rank)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for leftover in path.parent.glob(f".{path.name}.*.tmp"):
+            leftover.unlink(missing_ok=True)  # a previous attempt of this rank died mid-write
+        write_shard(path, batch, run_id=self.run_id, step=step, rank=rank)
+        return path
+
+    # -- trainer side -----------------------------------------------------------------------
+    def ready_ranks(self, step: int) -> set[int]:
+        """Ranks whose final shard of `step` exists: one directory listing."""
+        try:
+            names = [entry.name for entry in self.paths.rollout_step(step).iterdir()]
+        except FileNotFoundError:
+            return set()
+        return {rank for rank in map(RunPaths.shard_rank, names) if rank is not None}
+
+    def wait(self, step: int, ranks: Sequence[int], timeout_s: float) -> list[RolloutBatch]:
+        """The shards of `step` from `ranks`, in rank order, once all exist; RolloutTimeout otherwise."""
+        deadline = time.monotonic() + timeout_s
+        poll = FIRST_POLL_S
+        while True:
+            missing = sorted(set(ranks) - self.ready_ranks(step))
+            if not missing:
+                return [self.read(step, rank) for rank in ranks]
+            if time.monotonic() + poll > deadline:
+                raise RolloutTimeout(
+                    f"step {step}: no shard from generator rank(s) {missing} in {self.paths.rollout_step(step)} "
+                    f"after {timeout_s:.0f} s; check those generators' logs"
+                )
+            time.sleep(poll)
+            poll = min(poll * 1.5, MAX_POLL_S)
+
+    def read(self, step: int, rank: int) -> RolloutBatch:
+        return read_shard(self.paths.rollout_shard(step, rank), run_id=self.run_id, step=step, rank=rank)
+
+    # -- retention --------------------------------------------------------------------------
+    def prune(self, consumed_through: int, checkpointed_through: int) -> list[int]:
+        """Delete step directories older than the last `keep_steps` safe ones; return the steps deleted.
+
+        A step is safe to delete only when it was trained on (consumed) and a checkpoint taken after
+        it exists, so a restart never needs its rollouts again.
+        """
+        safe = min(consumed_through, checkpointed_through)
+        deleted = []
+        for step, directory in sorted(self.paths.rollout_steps().items()):
+            if step <= safe - self.keep_steps:
+                shutil.rmtree(directory)
+                deleted.append(step)
+        return deleted

@@ -1,0 +1,195 @@
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rltools.paths import RunPaths
+from rltools.rollout import FinishReason, RolloutBatch, RolloutStore, RolloutTimeout, Sample, ShardError
+
+
+def random_batch(rng: np.random.Generator, n: int = 8, max_len: int = 40, version: int = 3, texts: bool = True):
+    samples = []
+    for i in range(n):
+        completion = rng.integers(0, 50_000, rng.integers(0, max_len)).tolist()
+        samples.append(
+            Sample(
+                prompt_ids=rng.integers(0, 50_000, rng.integers(1, max_len)).tolist(),
+                completion_ids=completion,
+                completion_logprobs=(-rng.random(len(completion))).tolist(),
+                reward=float(rng.integers(0, 2)),
+                group_id=i // 4,
+                sample_index=i % 4,
+                finish_reason=FinishReason(int(rng.integers(0, 3))),
+                text=f"answer {i} ✓" if texts else None,
+            )
+        )
+    return RolloutBatch.from_samples(samples, policy_version=version)
+
+
+@pytest.fixture
+def store(tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    return RolloutStore(paths, paths.read_run_id(), keep_steps=2)
+
+
+sample_strategy = st.builds(
+    lambda prompt, completion, reward, group, index, reason, text: Sample(
+        prompt, completion, [-(i % 7) / 3 for i in range(len(completion))], reward, group, index, reason, text
+    ),
+    st.lists(st.integers(0, 2**31 - 1), max_size=30),
+    st.lists(st.integers(0, 2**31 - 1), max_size=30),
+    st.floats(-10, 10, width=32),
+    st.integers(0, 2**40),
+    st.integers(0, 1000),
+    st.sampled_from(list(FinishReason)),
+    st.text(max_size=20),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(samples=st.lists(sample_strategy, max_size=12), version=st.integers(0, 10**6), step=st.integers(0, 10**5))
+def test_round_trip(store, samples, version, step):
+    batch = RolloutBatch.from_samples(samples, policy_version=version)
+    store.write(step, 0, batch)
+    back = store.read(step, 0)
+    assert back == batch
+    for i, sample in enumerate(samples):
+        assert back.prompt(i).tolist() == list(sample.prompt_ids)
+        assert back.completion(i).tolist() == list(sample.completion_ids)
+        assert np.allclose(back.logprobs(i), sample.completion_logprobs)
+
+
+def test_batch_checks_its_shape():
+    batch = random_batch(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="completion_logprobs must align"):
+        RolloutBatch(**{**batch.arrays, "completion_logprobs": batch.completion_logprobs[:-1]}, policy_version=0)
+    with pytest.raises(ValueError, match="rewards has 3 entries for 8 samples"):
+        RolloutBatch(**{**batch.arrays, "rewards": batch.rewards[:3]}, policy_version=0)
+
+
+def test_concat_keeps_every_sample():
+    rng = np.random.default_rng(1)
+    parts = [random_batch(rng, n) for n in (3, 0, 5)]
+    joined = RolloutBatch.concat(parts)
+    assert len(joined) == 8
+    flat = [(p.completion(i).tolist(), p.prompt(i).tolist()) for p in parts for i in range(len(p))]
+    assert [(joined.completion(i).tolist(), joined.prompt(i).tolist()) for i in range(8)] == flat
+    with pytest.raises(ValueError, match="policy versions"):
+        RolloutBatch.concat([random_batch(rng, 2, version=1), random_batch(rng, 2, version=2)])
+
+
+WRITER = os.path.join(os.path.dirname(__file__), "rollout_writer.py")
+
+
+def start_writer(store, mode):
+    writer = subprocess.Popen([sys.executable, WRITER, str(store.paths.root), mode], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "ready"
+    return writer
+
+
+@pytest.mark.parametrize("mode", ["mid-dataset", "before-rename"])
+def test_writer_killed_mid_write_leaves_nothing_readable(store, mode):
+    writer = start_writer(store, mode)
+    assert writer.stdout.readline().strip() == "stalled"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    leftovers = list(store.paths.rollout_step(0).glob("*.tmp"))
+    assert len(leftovers) == 1  # the torn file exists, under a temporary name only
+    assert store.ready_ranks(0) == set()
+    with pytest.raises(RolloutTimeout, match=r"rank\(s\) \[0\]"):
+        store.wait(0, [0], timeout_s=0.2)
+    batch = random_batch(np.random.default_rng(1))
+    store.write(0, 0, batch)  # the restarted rank rewrites its shard and clears the leftover
+    assert store.read(0, 0) == batch
+    assert not list(store.paths.rollout_step(0).glob("*.tmp"))
+
+
+def test_writer_killed_at_random_times_leaves_only_whole_shards(store):
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        writer = start_writer(store, "loop")
+        time.sleep(float(rng.uniform(0.1, 0.4)))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    visible = [step for step in store.paths.rollout_steps() if store.ready_ranks(step)]
+    assert visible, "the writer never finished a shard"
+    for step in visible:
+        assert len(store.read(step, 0)) == 64  # every visible shard is whole and passes its checksums
+
+
+def test_flipped_byte_is_detected_and_named(store):
+    batch = random_batch(np.random.default_rng(2), n=16, max_len=200)
+    path = store.write(5, 1, batch)
+    with h5py.File(path, "r") as f:
+        offset = f["completion_ids"].id.get_offset() + f["completion_ids"].nbytes // 2
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ShardError, match=rf"{path}: dataset completion_ids fails its checksum"):
+        store.read(5, 1)
+
+
+def test_foreign_run_is_refused(store, tmp_path):
+    other = RolloutStore(store.paths, run_id="someone-else")
+    other.write(0, 0, random_batch(np.random.default_rng(3)))
+    with pytest.raises(ShardError, match="belongs to run 'someone-else', not this run"):
+        store.read(0, 0)
+
+
+def test_other_schema_version_is_refused(store):
+    path = store.write(0, 0, random_batch(np.random.default_rng(3)))
+    with h5py.File(path, "r+") as f:
+        f.attrs["schema_version"] = 99
+    with pytest.raises(ShardError, match="rollout schema version 99, this rltools reads version 1"):
+        store.read(0, 0)
+
+
+def test_shard_under_the_wrong_name_is_refused(store):
+    path = store.write(0, 0, random_batch(np.random.default_rng(3)))
+    os.link(path, store.paths.rollout_shard(0, 1))
+    with pytest.raises(ShardError, match="generator_rank is 0, expected 1"):
+        store.read(0, 1)
+
+
+def test_truncated_file_is_refused(store):
+    path = store.write(0, 0, random_batch(np.random.default_rng(3)))
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(ShardError, match=f"{path}: not a readable rollout shard"):
+        store.read(0, 0)
+
+
+def test_wait_deadline_names_missing_ranks(store):
+    store.write(4, 1, random_batch(np.random.default_rng(4)))
+    start = time.monotonic()
+    with pytest.raises(RolloutTimeout, match=r"step 4: no shard from generator rank\(s\) \[0, 2\] in .*step_4"):
+        store.wait(4, [0, 1, 2], timeout_s=0.5)
+    assert time.monotonic() - start < 2.0
+
+
+def test_wait_returns_shards_as_they_land(store):
+    batches = [random_batch(np.random.default_rng(r), version=9) for r in range(2)]
+    writer = threading.Timer(0.2, lambda: [store.write(3, r, b) for r, b in enumerate(batches)])
+    writer.start()
+    assert store.wait(3, [0, 1], timeout_s=10) == batches
+    writer.join()
+
+
+def test_prune_keeps_unconsumed_and_uncheckpointed_steps(store):
+    batch = random_batch(np.random.default_rng(5), n=2)
+    for step in range(10):
+        store.write(step, 0, batch)
+    assert store.prune(consumed_through=9, checkpointed_through=5) == [0, 1, 2, 3]
+    assert sorted(store.paths.rollout_steps()) == [4, 5, 6, 7, 8, 9]
+    assert store.prune(consumed_through=3, checkpointed_through=9) == []
+    assert store.prune(consumed_through=9, checkpointed_through=9) == [4, 5, 6, 7]
