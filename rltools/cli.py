@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     handoff.add_argument("--repeats", type=int, default=9)
     weights = kinds.add_parser("weights", help="weight-sync broadcast vs one contiguous gloo broadcast")
     weights.add_argument("--mb", type=int, default=256, help="size of the model-like tensor set")
-    for sub in (handoff, weights):
+    step = kinds.add_parser("step", help="our RL step (demo job) vs TRL's GRPOTrainer, same model and shape")
+    step.add_argument("--steps", type=int, default=14)
+    generate = kinds.add_parser("generate", help="vLLM generation tokens/s vs HF generate, same model and prompts")
+    for sub in (handoff, weights, step, generate):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
         sub.set_defaults(func=cmd_bench)
     return parser
@@ -73,10 +76,15 @@ def cmd_submit(args) -> int:
         print(describe(config, plan(config)), file=sys.stderr)
         sys.stdout.write(script)
         return 0
-    prepare_run_dir(config, script)
+    paths = prepare_run_dir(config, script)
+    if config.cluster.launcher == "local":
+        from .launch.local import run_local
+
+        print(describe(config, plan(config)), file=sys.stderr)
+        return run_local(config, paths)
     raise UserError(
-        "starting the RL job is not built yet: the generator and trainer roles arrive with the RL loop. "
-        f"The run directory {config.run.dir} is prepared; inspect the job with --dry-run or `rltools render`."
+        "submitting through Slurm from rltools is not built yet; the job script is ready: "
+        f"sbatch {paths.sbatch_script}  (then follow {paths.root}/slurm/logs)"
     )
 
 
@@ -97,15 +105,31 @@ def cmd_bench(args) -> int:
     import json
 
     if args.kind == "handoff":
-        from .rollout.bench import run_handoff_bench
+        from .bench.handoff import run_handoff_bench
 
         result = run_handoff_bench(repeats=args.repeats, directory=args.dir)
         summary = (
             f"hand-off of {result['shard_mb']} MB shards: ours {result['ours_mb_s']} MB/s, raw files "
             f"{result['reference_mb_s']} MB/s, ratio {result['ratio']}; p50 visible {result['p50_visible_s']} s"
         )
+    elif args.kind == "step":
+        from .bench.step import run_step_bench
+
+        result = run_step_bench(steps=args.steps)
+        summary = (
+            f"RL step ({result['shape']}): ours {result['ours_s']} s, TRL GRPOTrainer {result['reference_s']} s, "
+            f"ratio {result['ratio']}"
+        )
+    elif args.kind == "generate":
+        from .bench.generate import run_generate_bench
+
+        result = run_generate_bench()
+        summary = (
+            f"generation: vLLM {result['ours_tokens_s']} tokens/s, HF generate {result['reference_tokens_s']} "
+            f"tokens/s, ratio {result['ratio']}"
+        )
     else:
-        from .weight_sync.bench import run_weights_bench
+        from .bench.weights import run_weights_bench
 
         result = run_weights_bench(total_mb=args.mb)
         summary = (

@@ -104,6 +104,10 @@ class RunPaths:
     def eval_dir(self) -> Path:
         return self.root / "eval"
 
+    def eval_result(self, step: int) -> Path:
+        """Held-out evaluation after `step` optimizer steps (0 = the base model)."""
+        return self.eval_dir / f"step_{step}.json"
+
     @property
     def tensorboard(self) -> Path:
         return self.root / "tb"
@@ -112,6 +116,11 @@ class RunPaths:
     def sync_address(self) -> Path:
         """Where trainer rank 0 publishes the weight-sync store's host:port for generator workers."""
         return self.root / "weight_sync.json"
+
+    @property
+    def trainer_address(self) -> Path:
+        """Where trainer rank 0 publishes the trainers' own process-group store."""
+        return self.root / "trainer_group.json"
 
     @property
     def selfcheck_address(self) -> Path:

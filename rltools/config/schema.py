@@ -124,6 +124,11 @@ class GeneratorConfig(Section):
     """Fraction of GPU memory vLLM may take (GPU only)."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     """KV-cache size in bytes; set it on CPU, where vLLM otherwise takes ~90% of RAM."""
+    enforce_eager: bool = False
+    """Run vLLM without CUDA graphs / torch.compile (faster start-up, slower decoding on GPU)."""
+    sync_timeout_s: float = Field(1800.0, gt=0)
+    """Deadline for one weight-sync collective, including waiting for the peer to reach it
+    (a generator finishing its current step, a trainer finishing its update)."""
 
 
 class TrainerConfig(Section):
@@ -165,7 +170,16 @@ class ScheduleConfig(Section):
     keep_rollout_steps: int = Field(2, ge=0)
     """Rollout step directories kept after they are trained on and checkpointed (older ones are deleted)."""
     eval_every: int = Field(0, ge=0)
-    """Evaluate on the held-out set every N steps; 0 evaluates only at the end."""
+    """Evaluate on the held-out set every N steps; 0 evaluates only before and after training."""
+    rollout_timeout_s: float = Field(1800.0, gt=0)
+    """How long trainers wait for a step's rollout shards before failing with the missing generator ranks."""
+
+
+class EvalConfig(Section):
+    k: int = Field(8, ge=1)
+    """Samples per problem: quality is reported as avg@k (mean accuracy) and pass@k."""
+    problems: int = Field(256, ge=1)
+    """Held-out problems evaluated (arithmetic: generated; files: the first N of data.eval_path)."""
 
 
 class ComponentConfig(Section):
@@ -244,5 +258,16 @@ class RLConfig(Section):
     """The training component."""
     schedule: ScheduleConfig = ScheduleConfig()
     """Steps, batch shape and cadence."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation (avg@k)."""
     cluster: ClusterConfig = ClusterConfig()
     """Where and how the job runs."""
+
+    @model_validator(mode="after")
+    def _kl_needs_a_reference(self):
+        if self.algorithm.kl_coef > 0 and not self.lora.enabled:
+            raise ValueError(
+                "algorithm.kl_coef > 0 needs lora.enabled: true (the reference policy is the base model "
+                "with adapters off); set algorithm.kl_coef: 0 for full fine-tuning"
+            )
+        return self

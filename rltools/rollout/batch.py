@@ -46,6 +46,7 @@ class RolloutBatch:
     finish_reasons: np.ndarray  # uint8 [n], FinishReason values
     policy_version: int  # weights version that generated the batch
     texts: tuple[str, ...] | None = None  # completion texts, for debugging
+    generation_seconds: float = 0.0  # wall time the generator spent producing the batch
 
     DTYPES = {
         "prompt_ids": np.int32,
@@ -103,7 +104,7 @@ class RolloutBatch:
         )
 
     @classmethod
-    def from_samples(cls, samples: Sequence[Sample], policy_version: int) -> "RolloutBatch":
+    def from_samples(cls, samples: Sequence[Sample], policy_version: int, generation_seconds: float = 0.0) -> "RolloutBatch":
         def flat(key: str, dtype) -> tuple[np.ndarray, np.ndarray]:
             parts = [np.asarray(getattr(s, key), dtype=dtype) for s in samples]
             offsets = np.zeros(len(parts) + 1, dtype=np.int64)
@@ -126,6 +127,7 @@ class RolloutBatch:
             finish_reasons=np.array([int(s.finish_reason) for s in samples], dtype=np.uint8),
             policy_version=policy_version,
             texts=tuple(texts) if all(t is not None for t in texts) and samples else None,
+            generation_seconds=generation_seconds,
         )
 
     @classmethod
@@ -143,5 +145,6 @@ class RolloutBatch:
             else:
                 joined[name] = np.concatenate([getattr(b, name) for b in batches])
         texts = None if any(b.texts is None for b in batches) else sum((b.texts for b in batches), ())
-        return cls(**joined, policy_version=versions.pop(), texts=texts)
+        seconds = max((b.generation_seconds for b in batches), default=0.0)  # ranks generate in parallel
+        return cls(**joined, policy_version=versions.pop(), texts=texts, generation_seconds=seconds)
 

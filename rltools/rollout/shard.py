@@ -41,6 +41,7 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
                 generator_rank=rank,
                 policy_version=batch.policy_version,
                 sample_count=len(batch),
+                generation_seconds=batch.generation_seconds,
             )
             for name, array in batch.arrays.items():
                 f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
@@ -66,10 +67,11 @@ def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch
                 data, offsets = _read_checked(path, f, TEXT_BYTES), _read_checked(path, f, TEXT_OFFSETS)
                 texts = tuple(data[a:b].tobytes().decode() for a, b in zip(offsets[:-1], offsets[1:]))
             policy_version, sample_count = int(f.attrs["policy_version"]), int(f.attrs["sample_count"])
+            seconds = float(f.attrs.get("generation_seconds", 0.0))
     except (OSError, KeyError) as err:
         raise ShardError(f"{path}: not a readable rollout shard ({err})") from err
     try:
-        batch = RolloutBatch(**arrays, policy_version=policy_version, texts=texts)
+        batch = RolloutBatch(**arrays, policy_version=policy_version, texts=texts, generation_seconds=seconds)
     except ValueError as err:
         raise ShardError(f"{path}: inconsistent rollout shard: {err}") from err
     if len(batch) != sample_count:

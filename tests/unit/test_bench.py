@@ -2,7 +2,7 @@
 
 
 def test_handoff_bench_reports_both_figures(tmp_path, capsys):
-    from rltools.rollout.bench import run_handoff_bench
+    from rltools.bench.handoff import run_handoff_bench
 
     result = run_handoff_bench(repeats=2, directory=str(tmp_path), prompts=4, group=2)
     assert result["ours_mb_s"] > 0 and result["reference_mb_s"] > 0

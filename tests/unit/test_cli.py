@@ -37,7 +37,11 @@ def test_the_blocker_works(tmp_path):
     assert result.returncode != 0 and "heavy import" in result.stderr
 
 
-def test_submit_without_dry_run_says_what_is_missing(repo, tmp_path):
-    result = run_light("submit", str(repo / "configs/demo.yaml"), "--set", f"run.dir={tmp_path / 'run'}", cwd=tmp_path)
+def test_slurm_submit_says_what_is_missing(repo, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_light(
+        "submit", str(repo / "configs/demo.yaml"), "--set", f"run.dir={run_dir}", "--set", "cluster.launcher=slurm",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
-    assert "not built yet" in result.stderr and "Traceback" not in result.stderr
+    assert "not built yet" in result.stderr and f"sbatch {run_dir}/slurm/job.sbatch" in result.stderr

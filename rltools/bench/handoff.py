@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..paths import RunPaths
-from .batch import FinishReason, RolloutBatch
-from .store import RolloutStore
+from ..rollout import FinishReason, RolloutBatch, RolloutStore
 
 
 def realistic_batch(rng: np.random.Generator, prompts: int = 64, group: int = 8) -> RolloutBatch:

@@ -1,0 +1,46 @@
+"""Publishing a service address in the run directory, and finding it from another process.
+
+Invariant: a reader never sees a half-written record (tmp + fsync + rename), and never trusts a
+record left by an earlier attempt of the job (it carries the attempt number it belongs to).
+Readers poll with back-off until a deadline: a shared filesystem is not a message bus.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+class AddressTimeout(TimeoutError):
+    """The record did not appear in time; the message names the file, the attempt and who publishes it."""
+
+
+def publish_address(path: Path, host: str, port: int, attempt: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"host": host, "port": port, "attempt": attempt}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def wait_for_address(path: Path, attempt: int, timeout_s: float, publisher: str) -> tuple[str, int]:
+    """(host, port) from `path` once it holds `attempt`; AddressTimeout after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    delay, found = 0.05, None
+    while True:
+        try:
+            found = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            found = None
+        if found and found.get("attempt") == attempt:
+            return found["host"], int(found["port"])
+        left = deadline - time.monotonic()
+        if left <= 0:
+            seen = f"it holds attempt {found.get('attempt')}, an earlier start" if found else "it does not exist"
+            raise AddressTimeout(
+                f"{publisher} did not publish its address for attempt {attempt} in {path} within "
+                f"{timeout_s:.0f} s ({seen}); check that {publisher} is running"
+            )
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 1.0)

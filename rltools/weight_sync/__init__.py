@@ -1,0 +1,20 @@
+"""Weight sync: trainer rank 0 broadcasts each new policy version to every generator worker.
+
+`rendezvous` forms the authenticated group (TCPStore on trainer rank 0, run secret), `channel`
+moves named tensors over it (`rltools bench weights` measures it against a plain broadcast).
+"""
+
+from .channel import StaleVersionError, Transfer, WeightReceiver, WeightSender
+from .rendezvous import SyncGroup, SyncOptions, WeightSyncError, host_group, join_group
+
+__all__ = [
+    "StaleVersionError",
+    "SyncGroup",
+    "SyncOptions",
+    "Transfer",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncError",
+    "host_group",
+    "join_group",
+]

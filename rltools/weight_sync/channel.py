@@ -1,0 +1,331 @@
+"""Weight-sync channel: trainer rank 0 broadcasts named tensors to every generator worker.
+
+Invariant: a message is either delivered whole to every receiver's consumer, in increasing policy
+version order, or the failure is reported on every side that is still alive. A receiver refuses a
+version that is not newer than the last one it applied; the sender returns only after every receiver
+acknowledged (applied, refused or failed). Every collective has a deadline, and an expired one names
+the group, the operation, the elapsed time and the timeout.
+
+One message on the wire (header and ack are int64, everything else uint8):
+  1. header    int64[4]: MAGIC, policy version, metadata length, piece count
+  2. metadata  JSON: kind ("full" | "lora"), tensors [[name, dtype, shape]], pieces [[nbytes, [[tensor, offset]]]]
+  3. pieces    a tensor of at least `alone_bytes` travels alone, zero-copy (its bytes viewed as uint8);
+               smaller ones are packed 64-byte aligned into buckets of at most `bucket_bytes` (the
+               sender's only copy). The sender packs bucket k+1 while piece k is on the wire.
+  4. ack       all-reduce of int64[W, 2]: (status, last applied version) per sync rank
+
+Memory: a receiver holds two piece buffers (each max(bucket, largest tensor)), reused across
+messages, and never the whole model; the consumer is handed views into them that are valid only
+during the call — it must copy what it keeps (e.g. into vLLM's parameters).
+"""
+
+import json
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .rendezvous import SyncGroup, WeightSyncError, _first_line
+
+MAGIC = 0x524C5753  # "RLWS": a peer speaking something else fails loudly, not with garbage tensors
+KINDS = ("full", "lora")
+ALIGN = 64  # a packed tensor starts 64-byte aligned, so a view of any dtype is valid
+OK, STALE, FAILED = 0, 1, 2
+MiB = 1 << 20
+
+Consumer = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class StaleVersionError(WeightSyncError):
+    """A policy version that is not newer than the last one applied was refused."""
+
+
+class Transfer(NamedTuple):
+    version: int
+    kind: str
+    tensors: int
+    nbytes: int
+    pieces: int
+
+
+class _Pending(NamedTuple):
+    work: object | None  # None: a zero-byte piece, nothing on the wire
+    what: str
+    started: float
+    limit: timedelta
+    data: torch.Tensor  # the wire buffer, kept alive until `work` completes
+
+
+class _Plan(NamedTuple):
+    tensors: list  # [name, dtype name, shape] per tensor, in the caller's order
+    pieces: list  # [nbytes, [[tensor index, byte offset], ...]] in wire order
+
+
+def plan_pieces(specs: list[tuple[str, torch.dtype, tuple, int]], bucket_bytes: int, alone_bytes: int) -> _Plan:
+    """Cut (name, dtype, shape, nbytes) into pieces: big tensors alone, small ones packed in buckets.
+
+    A bucket is closed (and gets its wire position) when the next small tensor does not fit, so big
+    tensors met meanwhile go first: receivers see pieces in wire order, not in the caller's order.
+    """
+    tensors, pieces, bucket, fill = [], [], [], 0
+    for index, (name, dtype, shape, nbytes) in enumerate(specs):
+        tensors.append([name, str(dtype).removeprefix("torch."), list(shape)])
+        if nbytes >= alone_bytes:
+            pieces.append([nbytes, [[index, 0]]])
+            continue
+        offset = -(-fill // ALIGN) * ALIGN
+        if bucket and offset + nbytes > bucket_bytes:
+            pieces.append([fill, bucket])
+            bucket, offset = [], 0
+        bucket.append([index, offset])
+        fill = offset + nbytes
+    if bucket:
+        pieces.append([fill, bucket])
+    return _Plan(tensors, pieces)
+
+
+class _Collectives:
+    """Issues and waits on the group's collectives; turns every failure into a named WeightSyncError.
+
+    After a timeout or a dead peer the group is unusable (a collective may still be pending in the
+    backend), so every later call fails at once with the first error.
+    """
+
+    def __init__(self, group: SyncGroup):
+        self.group = group
+        self.broken: WeightSyncError | None = None
+
+    def check_usable(self) -> None:
+        if self.broken:
+            raise WeightSyncError(f"{self.group.describe()} is unusable after an earlier failure "
+                                  f"(re-form the group or restart the job): {self.broken}")
+
+    def broadcast(self, tensor: torch.Tensor, what: str, timeout: float | None = None) -> _Pending:
+        """Start a broadcast from sync rank 0 (`timeout` overrides the group's for this one)."""
+        limit = self.group.timeout if timeout is None else timedelta(seconds=timeout)
+        started = time.monotonic()
+        if tensor.numel() == 0:
+            return _Pending(None, what, started, limit, tensor)
+        try:
+            work = self.group.pg.broadcast(tensor, 0, timeout=limit)
+        except RuntimeError as e:
+            self._fail(e, what, started, limit)
+        return _Pending(work, what, started, limit, tensor)
+
+    def acknowledge(self, status: int, last_version: int | None, what: str) -> list[list[int]]:
+        """Every rank's (status, last applied version); the sender contributes (OK, -1)."""
+        table = torch.zeros(self.group.world_size, 2, dtype=torch.int64, device=self.group.device)
+        table[self.group.rank] = torch.tensor([status, -1 if last_version is None else last_version])
+        options = dist.AllreduceOptions()
+        options.timeout = limit = self.group.timeout
+        started = time.monotonic()
+        try:
+            work = self.group.pg.allreduce([table], options)
+        except RuntimeError as e:
+            self._fail(e, what, started, limit)
+        self.wait(_Pending(work, what, started, limit, table))
+        return table.tolist()
+
+    def wait(self, pending: _Pending) -> None:
+        if pending.work is None:
+            return
+        try:
+            pending.work.wait(pending.limit)  # the backend enforces the limit too; this bounds our own wait
+        except RuntimeError as e:
+            self._fail(e, pending.what, pending.started, pending.limit)
+
+    def _fail(self, error: Exception, what: str, started: float, limit: timedelta) -> None:
+        self.broken = WeightSyncError(
+            f"{self.group.describe()}: {what} failed after {time.monotonic() - started:.1f} s "
+            f"(timeout {limit.total_seconds():g} s): {_first_line(error)} — a peer died or stalled (see its log); "
+            "this group cannot be used again")
+        raise self.broken from error
+
+
+def _wire_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view: no copy when it is contiguous and on `device`."""
+    tensor = tensor.detach().to(device).contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class WeightSender:
+    """Trainer rank 0's end: `broadcast` one policy version at a time, in increasing order."""
+
+    # Defaults measured on loopback gloo (2 cores): one more piece costs ~0.3-0.5 ms (a worker-thread
+    # hand-off and a receive-ready round trip per receiver), packing costs ~0.1 ms per MB (memcpy at
+    # 10-20 GB/s), so tensors up to a few MB are cheaper packed; 16 MiB buckets keep the pipeline fine
+    # grained. On GPUs packing is nearly free and per-call cost dominates even more.
+    def __init__(self, group: SyncGroup, *, bucket_bytes: int = 16 * MiB, alone_bytes: int = 4 * MiB,
+                 max_in_flight: int = 2):
+        if group.rank != 0:
+            raise ValueError(f"WeightSender runs on sync rank 0 (trainer rank 0), not sync rank {group.rank}")
+        if not 0 < alone_bytes <= bucket_bytes:
+            raise ValueError(f"alone_bytes ({alone_bytes}) must be in 1..bucket_bytes ({bucket_bytes})")
+        self.group, self.bucket_bytes, self.alone_bytes = group, bucket_bytes, alone_bytes
+        self.max_in_flight = max(1, max_in_flight)
+        self.last_version: int | None = None
+        self._ops = _Collectives(group)
+        self._pack_buffers: list[torch.Tensor] = []  # reused across messages: no page faults after the first
+
+    def broadcast(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                  version: int, kind: str = "full", timeout_s: float | None = None) -> Transfer:
+        """Send every tensor to every generator worker; returns once all of them acknowledged.
+
+        Blocks until every receiver calls `receive`: `timeout_s` (default: the group's timeout)
+        bounds that first wait, the group's timeout each later collective. Tensors must be whole
+        (not sharded); ones on another device are copied to the group's device piece by piece.
+        """
+        self._ops.check_usable()
+        if kind not in KINDS:
+            raise ValueError(f"weight-sync kind {kind!r}: expected one of {', '.join(KINDS)}")
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(f"weight-sync: version {version} is not newer than the last version sent "
+                             f"({self.last_version}); policy versions must increase")
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        specs = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in items]
+        plan = plan_pieces(specs, self.bucket_bytes, self.alone_bytes)
+        meta = json.dumps({"kind": kind, "tensors": plan.tensors, "pieces": plan.pieces}).encode()
+        device, ops = self.group.device, self._ops
+        header = torch.tensor([MAGIC, version, len(meta), len(plan.pieces)], dtype=torch.int64, device=device)
+        ops.wait(ops.broadcast(header, f"header of version {version} (waiting for every generator worker to receive)", timeout_s))
+        ops.wait(ops.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device),
+                               f"metadata of version {version}"))
+        self._send_pieces([t for _, t in items], plan, version)
+        rows = ops.acknowledge(OK, None, f"acknowledgement of version {version} by the generator workers")
+        self._raise_for_refusals(rows, version)
+        self.last_version = version
+        return Transfer(version, kind, len(items), sum(s[3] for s in specs), len(plan.pieces))
+
+    def _send_pieces(self, tensors: list[torch.Tensor], plan: _Plan, version: int) -> None:
+        in_flight: deque = deque()
+        buckets = 0
+        for k, (nbytes, members) in enumerate(plan.pieces):
+            # At most max_in_flight - 1 pieces stay in flight while we pack: the bucket that last used
+            # this pack buffer was issued at least max_in_flight pieces ago, so it has completed.
+            while len(in_flight) >= self.max_in_flight:
+                self._ops.wait(in_flight.popleft())
+            if len(members) == 1 and nbytes >= self.alone_bytes:
+                data = _wire_bytes(tensors[members[0][0]], self.group.device)
+            else:
+                data = self._pack(buckets % self.max_in_flight, tensors, members, nbytes)
+                buckets += 1
+            what = f"broadcast of version {version} piece {k + 1}/{len(plan.pieces)} ({nbytes / MiB:.1f} MiB)"
+            in_flight.append(self._ops.broadcast(data, what))
+        while in_flight:
+            self._ops.wait(in_flight.popleft())
+
+    def _pack(self, slot: int, tensors: list[torch.Tensor], members: list, nbytes: int) -> torch.Tensor:
+        while len(self._pack_buffers) <= slot:
+            self._pack_buffers.append(torch.empty(0, dtype=torch.uint8, device=self.group.device))
+        if self._pack_buffers[slot].numel() < nbytes:
+            self._pack_buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        buffer = self._pack_buffers[slot][:nbytes]
+        for index, offset in members:
+            data = _wire_bytes(tensors[index], self.group.device)
+            buffer[offset:offset + data.numel()].copy_(data)
+        return buffer
+
+    def _raise_for_refusals(self, rows: list[list[int]], version: int) -> None:
+        stale = [r for r, (status, _) in enumerate(rows) if status == STALE]
+        failed = [r for r, (status, _) in enumerate(rows) if status == FAILED]
+        if stale:
+            newest = max(rows[r][1] for r in stale)
+            raise StaleVersionError(
+                f"weight-sync: generator worker(s) with sync rank {stale} refused version {version}: they already "
+                f"applied version {newest}; policy versions must increase (was the trainer restarted from an "
+                "older checkpoint? resume from the newest one)")
+        if failed:
+            raise WeightSyncError(f"weight-sync: generator worker(s) with sync rank {failed} failed to apply "
+                                  f"version {version}: their consumer raised (see their logs)")
+
+
+class WeightReceiver:
+    """A generator worker's end: `receive` the next message and hand its tensors to a consumer."""
+
+    def __init__(self, group: SyncGroup, *, last_version: int | None = None):
+        if group.rank == 0:
+            raise ValueError("WeightReceiver runs on a generator worker (sync rank >= 1), not on sync rank 0")
+        self.group = group
+        self.last_version = last_version
+        self._ops = _Collectives(group)
+        self._buffers = [torch.empty(0, dtype=torch.uint8, device=group.device) for _ in range(2)]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes this receiver holds for pieces (two buffers): its memory bound, whatever the model size."""
+        return sum(b.numel() for b in self._buffers)
+
+    def receive(self, consumer: Consumer, timeout_s: float | None = None) -> Transfer:
+        """Wait up to `timeout_s` (default: the group's timeout) for the next message and apply it.
+
+        `consumer(pairs)` is called once per piece with (name, tensor) views valid only during the
+        call. A stale version is drained without calling it and raises StaleVersionError; if the
+        consumer raises, the rest is drained, the sender is told, and WeightSyncError is raised.
+        A timeout (or a dead peer) leaves the group unusable: later calls fail at once.
+        """
+        self._ops.check_usable()
+        header = torch.empty(4, dtype=torch.int64, device=self.group.device)
+        self._ops.wait(self._ops.broadcast(header, "waiting for the next weight update from trainer rank 0", timeout_s))
+        magic, version, meta_len, n_pieces = header.tolist()
+        if magic != MAGIC:
+            raise WeightSyncError(f"{self.group.describe()}: received a header with magic {magic:#x}, expected "
+                                  f"{MAGIC:#x}: trainer and generators run different rltools versions")
+        meta_bytes = torch.empty(meta_len, dtype=torch.uint8, device=self.group.device)
+        self._ops.wait(self._ops.broadcast(meta_bytes, f"metadata of version {version}"))
+        meta = json.loads(bytes(meta_bytes.cpu().numpy()))
+        assert len(meta["pieces"]) == n_pieces, "header and metadata disagree on the piece count"
+        stale = self.last_version is not None and version <= self.last_version
+        failure = self._receive_pieces(meta, None if stale else consumer, version)
+        status = STALE if stale else FAILED if failure else OK
+        self._ops.acknowledge(status, self.last_version, f"acknowledgement of version {version}")
+        if stale:
+            raise StaleVersionError(
+                f"weight-sync: refused version {version} from trainer rank 0: this generator worker already "
+                f"applied version {self.last_version}; policy versions must increase")
+        if failure:
+            raise WeightSyncError(f"weight-sync: the consumer failed on version {version}: {failure!r}") from failure
+        self.last_version = version
+        nbytes = sum(p[0] for p in meta["pieces"])
+        return Transfer(version, meta["kind"], len(meta["tensors"]), nbytes, len(meta["pieces"]))
+
+    def _receive_pieces(self, meta: dict, consumer: Consumer | None, version: int) -> Exception | None:
+        pieces, specs = meta["pieces"], meta["tensors"]
+        largest = max((nbytes for nbytes, _ in pieces), default=0)
+        for i, buffer in enumerate(self._buffers):
+            if buffer.numel() < largest:  # grown once, then reused: no page faults on later messages
+                self._buffers[i] = torch.empty(largest, dtype=torch.uint8, device=self.group.device)
+        failure = None
+        # Two receives posted ahead: piece k+1 is on the wire while the consumer handles piece k, and
+        # the sender never waits for a receive to be posted; piece k+2 reuses piece k's buffer.
+        pending = deque(self._start(pieces, k, version) for k in range(min(2, len(pieces))))
+        for k, (_, members) in enumerate(pieces):
+            current = pending.popleft()
+            self._ops.wait(current)
+            if consumer is not None:
+                try:
+                    consumer([_view(current.data, specs[index], offset) for index, offset in members])
+                except Exception as e:  # keep receiving: the group stays in step and the sender learns of it
+                    failure, consumer = e, None
+            if k + 2 < len(pieces):
+                pending.append(self._start(pieces, k + 2, version))
+        return failure
+
+    def _start(self, pieces: list, k: int, version: int) -> _Pending:
+        data = self._buffers[k % 2][:pieces[k][0]]
+        what = f"receiving version {version} piece {k + 1}/{len(pieces)} ({pieces[k][0] / MiB:.1f} MiB) from trainer rank 0"
+        return self._ops.broadcast(data, what)
+
+
+def _view(data: torch.Tensor, spec: list, offset: int) -> tuple[str, torch.Tensor]:
+    name, dtype_name, shape = spec
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"weight-sync: tensor {name!r} has unknown dtype {dtype_name!r}: trainer and generators run different torch versions")
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * dtype.itemsize
+    return name, data[offset:offset + nbytes].view(dtype).reshape(shape)

@@ -1,0 +1,334 @@
+"""Weight-sync rendezvous: trainer rank 0 admits only generator workers that know the run's secret.
+
+Invariant: a process becomes a member of the weight-sync group only after proving, with an HMAC
+over a fresh per-session nonce, that it holds the run's secret (`RunPaths.secret`, mode 0600), and
+every key the group's own rendezvous writes to the store is named and authenticated with a key that
+only admitted members hold. The group is a standalone process-group object, never the default group,
+so it cannot collide with the trainers' own group.
+
+Protocol, all through a TCPStore hosted by trainer rank 0 (the "host"):
+ 1. host: start the store, set `nonce`, THEN publish {"host", "port", "attempt"} in
+    `paths.sync_address` (tmp file + os.replace), so a joiner that sees the file can read the nonce.
+ 2. joiner (sync rank r, 1..W-1): wait for a file of its own attempt (an earlier start's file is
+    ignored), then append ";r:token:HMAC(secret, join|nonce|r|token);" to `joins`.
+ 3. host: check each proof. Admitted: `admit/<token>` = the random group key XOR HMAC(secret,
+    admit|nonce|token), plus a tag proving the host knows the secret too. Refused: "refused:<code>"
+    and a warning on the `rltools.weight_sync` logger.
+ 4. all: build the process group on a `SealedStore(store, group key)`.
+
+Why a sealed store and not a PrefixStore with a secret prefix: TCPStore.list_keys() answers any
+client, so a prefix hides nothing; with sealed keys a process without the secret can still delete
+keys (deny service, which ends in a named timeout) but cannot forge a peer address the group accepts.
+The data path itself (gloo/NCCL sockets) is unauthenticated and unencrypted, as in any
+torch.distributed job: the secret guards who may join, not the wire.
+"""
+
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+from ..launch.address import AddressTimeout, publish_address, wait_for_address
+from ..paths import RunPaths
+
+log = logging.getLogger("rltools.weight_sync")
+
+BACKENDS = ("gloo", "nccl")
+REFUSALS = {  # code written by the host -> (its log line, what the refused process must change)
+    "secret": ("its proof does not match this run's secret",
+               "the run secret in {secret} does not match trainer rank 0's: start this worker with the run directory of the running job"),
+    "rank-range": ("sync rank {rank} is outside 1..{last}",
+                   "sync rank {rank} is outside 1..{last}: the generator worker count differs between the roles"),
+    "rank-taken": ("sync rank {rank} was already admitted",
+                   "another process already joined as sync rank {rank}: two workers were started with the same rank"),
+}
+
+
+class WeightSyncError(RuntimeError):
+    """The weight-sync group could not form, or one of its collectives failed or timed out."""
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    backend: str = "gloo"
+    """gloo (CPU tensors; also across nodes) or nccl (CUDA tensors, one GPU per process)."""
+    join_timeout_s: float = 300.0
+    """Deadline for publishing/finding the store address, admission and forming the group."""
+    collective_timeout_s: float = 300.0
+    """Deadline of every collective once the group exists (each piece, the acknowledgement)."""
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """Membership in the weight-sync group: sync rank 0 is trainer rank 0, 1..W-1 generator workers."""
+
+    pg: Any
+    """The standalone torch process-group backend (ProcessGroupGloo or ProcessGroupNCCL)."""
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    """Where this member's wire tensors live: cpu for gloo, its CUDA device for nccl."""
+    timeout: timedelta
+    store: Any
+    """The group's SealedStore, kept alive with it; on trainer rank 0 it holds the TCPStore server."""
+
+    def describe(self) -> str:
+        return f"weight-sync group (trainer rank 0 + {self.world_size - 1} generator worker(s), backend {self.backend})"
+
+
+def host_group(paths: RunPaths, *, world_size: int, address: str, attempt: int = 0,
+               options: SyncOptions = SyncOptions()) -> SyncGroup:
+    """Trainer rank 0: host the store at `address` (a name generator nodes resolve, e.g. RoleEnv's
+    trainer_host), admit W-1 generator workers, form the group. Blocks up to options.join_timeout_s."""
+    _check(options, world_size)
+    deadline = time.monotonic() + options.join_timeout_s
+    secret = _read_secret(paths)
+    store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=options.join_timeout_s))
+    nonce = secrets.token_hex(16)
+    store.set("nonce", nonce)  # before the address is published: joiners read it straight away
+    publish_address(paths.sync_address, address, store.port, attempt)
+    log.info("weight-sync: store at %s:%d (attempt %d), waiting for %d generator worker(s)",
+             address, store.port, attempt, world_size - 1)
+    admissions = _Admissions(store, secret, nonce, world_size)
+    _admit_all(admissions, deadline, options.join_timeout_s)
+    return _form(store, admissions.group_key, 0, world_size, options, deadline, None)
+
+
+def join_group(paths: RunPaths, *, rank: int, world_size: int, attempt: int = 0,
+               options: SyncOptions = SyncOptions(), device: torch.device | None = None) -> SyncGroup:
+    """Generator worker with sync rank 1..W-1 (its global generator-worker index + 1): find trainer
+    rank 0 of `attempt`, prove the secret, join. Blocks up to options.join_timeout_s. For nccl,
+    `device` defaults to the current CUDA device."""
+    _check(options, world_size)
+    if not 1 <= rank < world_size:
+        raise ValueError(f"weight-sync: sync rank {rank} must be in 1..{world_size - 1} (0 is trainer rank 0)")
+    deadline = time.monotonic() + options.join_timeout_s
+    secret = _read_secret(paths)
+    try:
+        host, port = wait_for_address(paths.sync_address, attempt, options.join_timeout_s, "trainer rank 0 (weight-sync store)")
+    except AddressTimeout as e:
+        raise WeightSyncError(f"weight-sync: {e}") from None
+    where = f"trainer rank 0's weight-sync store at {host}:{port}"
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=_left(deadline)))
+        nonce = store.get("nonce").decode()
+        token = secrets.token_hex(16)
+        store.append("joins", f";{rank}:{token}:{_mac(secret, 'join', nonce, rank, token).hex()};")
+    except dist.DistError as e:
+        raise WeightSyncError(f"weight-sync: could not reach {where} (from {paths.sync_address}): {_first_line(e)}") from e
+    answer = _await_answer(store, token, deadline, f"{where} did not answer the join of sync rank {rank}")
+    if answer.startswith("refused:"):
+        code = answer.removeprefix("refused:")
+        why = REFUSALS[code][1] if code in REFUSALS else f"unknown reason {code!r}"
+        why = why.format(secret=paths.secret, rank=rank, last=world_size - 1)
+        raise WeightSyncError(f"weight-sync: trainer rank 0 refused this process (sync rank {rank}): {why}")
+    group_key = _unseal(answer, secret, nonce, token, where)
+    return _form(store, group_key, rank, world_size, options, deadline, device)
+
+
+# -- host side ----------------------------------------------------------------------------------
+class _Admissions:
+    """Trainer rank 0's side of step 3: answers each join entry once, admits each sync rank once."""
+
+    def __init__(self, store, secret: bytes, nonce: str, world_size: int):
+        self.store, self.secret, self.nonce, self.world_size = store, secret, nonce, world_size
+        self.group_key = secrets.token_bytes(32)
+        self.admitted: set[int] = set()
+        self.answered: set[str] = set()  # a replayed entry must not overwrite its first answer
+        self.refused = 0
+        self._read = 0  # characters of `joins` already handled
+
+    @property
+    def complete(self) -> bool:
+        return len(self.admitted) == self.world_size - 1
+
+    def poll(self) -> None:
+        if not self.store.check(["joins"]):
+            return
+        text = self.store.get("joins").decode(errors="replace")
+        end = text.rfind(";") + 1  # appends are atomic and end with ';': never a partial entry
+        for entry in filter(None, text[self._read:end].split(";")):
+            self._answer(entry)
+        self._read = max(self._read, end)
+
+    def _answer(self, entry: str) -> None:
+        try:
+            rank_text, token, proof = entry.split(":")
+            rank, proof_bytes = int(rank_text), bytes.fromhex(proof)
+        except ValueError:
+            log.warning("weight-sync: ignored a malformed join entry %r (not written by rltools)", entry[:80])
+            return
+        if token in self.answered:
+            return
+        self.answered.add(token)
+        if not hmac.compare_digest(_mac(self.secret, "join", self.nonce, rank, token), proof_bytes):
+            code = "secret"  # checked first: a process without the secret learns nothing about ranks
+        elif not 1 <= rank < self.world_size:
+            code = "rank-range"
+        elif rank in self.admitted:
+            code = "rank-taken"
+        else:
+            self.admitted.add(rank)
+            sealed = bytes(a ^ b for a, b in zip(self.group_key, _mac(self.secret, "admit", self.nonce, token))).hex()
+            tag = _mac(self.secret, "host", self.nonce, token, sealed).hex()
+            self.store.set(f"admit/{token}", f"ok:{sealed}:{tag}")
+            return
+        self.refused += 1
+        self.store.set(f"admit/{token}", f"refused:{code}")
+        log.warning("weight-sync: refused a process claiming generator worker sync rank %d: %s", rank,
+                    REFUSALS[code][0].format(rank=rank, last=self.world_size - 1))
+
+
+def _admit_all(admissions: _Admissions, deadline: float, timeout_s: float) -> None:
+    delay = 0.01
+    while True:
+        admissions.poll()
+        if admissions.complete:
+            break
+        if time.monotonic() >= deadline:
+            missing = sorted(set(range(1, admissions.world_size)) - admissions.admitted)
+            raise WeightSyncError(
+                f"weight-sync: generator worker(s) with sync rank {missing} did not join trainer rank 0 within "
+                f"{timeout_s:.0f} s (admitted {sorted(admissions.admitted)}, refused {admissions.refused} "
+                "process(es)); check that every generator worker started and reads this run directory")
+        time.sleep(delay)  # joins arrive once per worker: a gentle, capped poll costs nothing
+        delay = min(delay * 2, 0.2)
+    admissions.poll()  # a join that raced the last admission is refused now, not left to time out
+    log.info("weight-sync: admitted generator worker(s) %s", sorted(admissions.admitted))
+
+
+# -- joiner side --------------------------------------------------------------------------------
+def _await_answer(store, token: str, deadline: float, what: str) -> str:
+    try:
+        store.wait([f"admit/{token}"], timedelta(seconds=_left(deadline)))
+        return store.get(f"admit/{token}").decode()
+    except dist.DistError as e:
+        raise WeightSyncError(f"weight-sync: {what} before the join deadline: {_first_line(e)}") from e
+
+
+def _unseal(answer: str, secret: bytes, nonce: str, token: str, where: str) -> bytes:
+    try:
+        _, sealed, tag = answer.split(":")
+        valid = hmac.compare_digest(_mac(secret, "host", nonce, token, sealed), bytes.fromhex(tag))
+    except ValueError:
+        valid = False
+    if not valid:  # mutual authentication: never take weights from a host without the secret
+        raise WeightSyncError(f"weight-sync: the answer from {where} failed authentication: that process does not know this run's secret")
+    return bytes(a ^ b for a, b in zip(bytes.fromhex(sealed), _mac(secret, "admit", nonce, token)))
+
+
+# -- both sides ---------------------------------------------------------------------------------
+def _form(store, group_key: bytes, rank: int, world_size: int, options: SyncOptions, deadline: float,
+          device: torch.device | None) -> SyncGroup:
+    timeout = timedelta(seconds=options.collective_timeout_s)
+    sealed = SealedStore(store, group_key, timedelta(seconds=max(_left(deadline), 1.0)))
+    describe = f"trainer rank 0 + {world_size - 1} generator worker(s), backend {options.backend}"
+    started = time.monotonic()
+    try:
+        if options.backend == "gloo":
+            pg, device = dist.ProcessGroupGloo(sealed, rank, world_size, timeout), torch.device("cpu")
+        else:
+            device = device or torch.device("cuda", torch.cuda.current_device())
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(sealed, rank, world_size, nccl_options)
+            pg.eager_connect_single_device(device)  # fail here, named, not at the first broadcast
+    except (dist.DistError, RuntimeError) as e:
+        raise WeightSyncError(f"weight-sync: forming the group ({describe}) failed as sync rank {rank} after "
+                              f"{time.monotonic() - started:.1f} s: {_first_line(e)}") from e
+    return SyncGroup(pg, rank, world_size, options.backend, device, timeout, sealed)
+
+
+class SealedStore(dist.Store):
+    """A view of `inner` whose key names are keyed hashes and whose values carry an HMAC tag.
+
+    Used only for the process group's own rendezvous (a few small address records), so the
+    per-call cost of a Python store does not matter.
+    """
+
+    def __init__(self, inner, key: bytes, timeout: timedelta):
+        super().__init__()
+        self._inner, self._key, self._timeout = inner, key, timeout
+
+    def _name(self, key: str) -> str:
+        return "g/" + hmac.new(self._key, b"name|" + key.encode(), hashlib.sha256).hexdigest()[:40]
+
+    def _tag(self, name: str, value: bytes) -> bytes:
+        return hmac.new(self._key, name.encode() + b"|" + value, hashlib.sha256).digest()
+
+    def set(self, key, value):
+        name, value = self._name(key), value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(name, value + self._tag(name, value))
+
+    def get(self, key):
+        name = self._name(key)
+        self._inner.wait([name], self._timeout)
+        blob = self._inner.get(name)
+        value, tag = blob[:-32], blob[-32:]
+        if not hmac.compare_digest(tag, self._tag(name, value)):
+            raise WeightSyncError(f"weight-sync: the group's rendezvous record {key!r} failed authentication: "
+                                  "a process without the run secret is writing to trainer rank 0's store")
+        return value
+
+    def add(self, key, amount):
+        return self._inner.add(self._name(key), amount)  # a forged counter can only stall: named timeout
+
+    def check(self, keys):
+        return self._inner.check([self._name(k) for k in keys])
+
+    def wait(self, keys, timeout=None):
+        # Capped at the join deadline: the group's rendezvous must not outlive it.
+        limit = timeout if timeout and timeout < self._timeout else self._timeout
+        self._inner.wait([self._name(k) for k in keys], limit)
+
+    def delete_key(self, key):
+        return self._inner.delete_key(self._name(key))
+
+    def set_timeout(self, timeout):
+        self._timeout = timeout
+
+
+def _check(options: SyncOptions, world_size: int) -> None:
+    if options.backend not in BACKENDS:
+        raise ValueError(f"weight-sync backend {options.backend!r}: expected one of {', '.join(BACKENDS)}")
+    if options.backend == "nccl" and not dist.is_nccl_available():
+        raise ValueError("weight-sync backend nccl needs a CUDA build of torch; this one has no NCCL: use gloo")
+    if world_size < 2:
+        raise ValueError(f"weight-sync world size {world_size}: needs trainer rank 0 and at least one generator worker")
+
+
+def _read_secret(paths: RunPaths) -> bytes:
+    try:
+        mode = paths.secret.stat().st_mode
+        secret = paths.read_secret()
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"weight-sync: cannot read the run secret {paths.secret} ({e}): {paths.root} is not a run "
+                        "directory made by rltools; point the role at the run directory of the job") from None
+    if mode & 0o077:
+        log.warning("weight-sync: the run secret %s is readable by other users (mode %o); run `chmod 600 %s`",
+                    paths.secret, mode & 0o777, paths.secret)
+    return secret
+
+
+def _mac(secret: bytes, *parts) -> bytes:
+    return hmac.new(secret, "|".join(str(p) for p in parts).encode(), hashlib.sha256).digest()
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _first_line(error: BaseException) -> str:
+    """c10d errors carry a C++ backtrace after the first line; the first line is the message."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
