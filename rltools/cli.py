@@ -9,11 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import RLConfig, dump_config, load_config
+from .config import load_config
 from .errors import UserError
 from .launch.plan import describe, plan
+from .launch.run_dir import prepare_run_dir
 from .launch.sbatch import render_sbatch
-from .paths import RunPaths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,25 +138,6 @@ def cmd_bench(args) -> int:
         )
     print(json.dumps(result) if args.json else summary)
     return 0
-
-
-def prepare_run_dir(config: RLConfig, script: str) -> RunPaths:
-    """Create the run directory with its secret, resolved config and job script.
-
-    A run directory already holding a different config is refused: overwriting it would change a
-    run under the feet of its checkpoints.
-    """
-    paths = RunPaths(config.run.dir)
-    text = dump_config(config)
-    if paths.config.exists() and paths.config.read_text() != text:
-        raise UserError(
-            f"{paths.config} already holds a different config; choose another run.name or run.dir "
-            "(e.g. --set run.name=NEW) or remove that run directory"
-        )
-    paths.create()
-    paths.config.write_text(text)
-    paths.sbatch_script.write_text(script)
-    return paths
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> RLConfig:
     raw = read_yaml(Path(path))
     for override in overrides:
         apply_override(raw, override)
-    return resolve(validate(raw, source=str(path)))
+    return resolve(validate(raw, source=str(path)), config_dir=Path(path).parent)
 
 
 def read_yaml(path: Path) -> dict:
@@ -68,9 +68,11 @@ def validate(raw: dict, source: str) -> RLConfig:
         raise UserError(f"{source}: invalid config:\n  " + "\n  ".join(lines)) from None
 
 
-def resolve(config: RLConfig) -> RLConfig:
+def resolve(config: RLConfig, config_dir: Path) -> RLConfig:
     """Fill what depends on where rltools runs: absolute paths (job steps may start elsewhere) and
-    the interpreter. Resolving a resolved config changes nothing."""
+    the interpreter. Relative model and data paths are relative to the config file, so a config
+    works from any directory; run.dir is relative to the current directory, like sbatch's output.
+    Resolving a resolved config changes nothing."""
     run_dir = _absolute(config.run.dir or str(Path("runs") / config.run.name))
     python = config.cluster.python or sys.executable
     if os.sep in python:  # a bare name like python3 is looked up on PATH by each task
@@ -79,17 +81,22 @@ def resolve(config: RLConfig) -> RLConfig:
     return config.model_copy(
         update={
             "run": config.run.model_copy(update={"dir": run_dir}),
-            "model": config.model.model_copy(update={"path": _absolute(config.model.path)}),
+            "model": config.model.model_copy(update={"path": _absolute(config.model.path, config_dir)}),
             "data": data.model_copy(
-                update={key: _absolute(getattr(data, key)) for key in ("train_path", "eval_path") if getattr(data, key)}
+                update={
+                    key: _absolute(getattr(data, key), config_dir)
+                    for key in ("train_path", "eval_path")
+                    if getattr(data, key)
+                }
             ),
             "cluster": config.cluster.model_copy(update={"python": python}),
         }
     )
 
 
-def _absolute(path: str) -> str:
-    return str(Path(path).absolute())
+def _absolute(path: str, base: Path | None = None) -> str:
+    """`path` made absolute against `base` (default: the current directory), normalised."""
+    return os.path.normpath((base or Path.cwd()).absolute() / path)
 
 
 def dump_config(config: RLConfig) -> str:

@@ -2,7 +2,7 @@
 
 import json
 
-from rltools.cli import prepare_run_dir
+from rltools.launch.run_dir import prepare_run_dir
 from rltools.config import load_config
 from rltools.launch.sbatch import render_sbatch
 

@@ -121,10 +121,13 @@ def test_unset_env_var_is_named(tmp_path, monkeypatch):
 
 
 def test_relative_paths_become_absolute(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    c = load_config(write(tmp_path, "run: {name: t}\nmodel: {path: models/m}\n"))
-    assert c.run.dir == str(tmp_path / "runs" / "t")
-    assert c.model.path == str(tmp_path / "models" / "m")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (tmp_path / "configs").mkdir()
+    c = load_config(write(tmp_path / "configs", "run: {name: t}\nmodel: {path: ../models/m}\n"))
+    assert c.run.dir == str(work / "runs" / "t")  # like sbatch: relative to where you submit
+    assert c.model.path == str(tmp_path / "models" / "m")  # relative to the config file
     assert c.cluster.python == sys.executable
 
 

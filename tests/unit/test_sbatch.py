@@ -150,7 +150,7 @@ def test_hostile_string_never_executes(tmp_path, stub_srun, monkeypatch, capsys,
     value = {"str": payload, "list": [payload], "dict-value": {"HOSTILE": payload}, "dict-key": {payload: "v"}}[kind]
     if key == "run.dir":
         value = f"{work}/{payload}"
-    raw = {"run": {"name": "t", "dir": str(work / "run")}, "model": {"path": "/m"}, "cluster": {"launcher": "slurm"}}
+    raw = {"run": {"name": "t", "dir": str(work / "run")}, "model": {"path": str(work)}, "cluster": {"launcher": "slurm"}}
     set_nested(raw, key, value)
     config_file = work / "hostile.yaml"
     config_file.write_text(yaml.safe_dump(raw))

@@ -1,0 +1,1 @@
+"""Advantages and losses: pure tensor functions, no config objects, no torch.distributed."""

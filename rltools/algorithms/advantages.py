@@ -1,0 +1,30 @@
+"""Group-relative advantages (GRPO and Dr.GRPO).
+
+Shapes: `rewards` [N] float, `group_ids` [N] int (samples of one prompt share an id; groups need
+not be contiguous or of equal size). Returns advantages [N] and metrics. Pure: no config, no I/O.
+"""
+
+import torch
+
+STD_EPS = 1e-4
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True):
+    """A_i = r_i - mean(group of i), divided by (std(group) + eps) when `scale_by_std` (GRPO).
+
+    Dr.GRPO drops the std division (`scale_by_std=False`): it over-weights groups whose rewards
+    barely differ. The std is the unbiased sample std, as in the GRPO paper's reference code; a
+    group of identical rewards gets advantage 0 either way.
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    rewards = rewards.to(torch.float64)
+    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, rewards)
+    means = sums / counts
+    centered = rewards - means[inverse]
+    metrics = {"zero_std_groups": 0.0}
+    if scale_by_std:
+        squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, centered**2)
+        std = torch.sqrt(squares / (counts - 1).clamp(min=1))
+        centered = centered / (std[inverse] + STD_EPS)
+        metrics["zero_std_groups"] = float((std == 0).to(torch.float64).mean())
+    return centered.to(torch.float32), metrics

@@ -1,0 +1,137 @@
+"""Arithmetic problems with integer answers: the task of the embedded CPU demo.
+
+Format (fixed: the tiny model in rltools/assets/tiny-arith was pretrained on exactly this text):
+
+    prompt      "What is 23+58?="   the question, then PROMPT_SUFFIX; the model answers right after it
+    completion  "81" + EOS          the answer in canonical decimal: ASCII digits only, no sign,
+                                    no leading zeros ("0" is the only answer that starts with "0")
+
+Templates, one picked uniformly per problem: a+b and a-b (a, b <= 99, b <= a for a-b), a*b
+(a, b <= 12), a*b+c (1 <= a, b <= 9, c <= 20). Answers are 0..198; prompts at most 16 characters.
+16,920 distinct questions; 1,633 held out (942 a+b, 517 a-b, 15 a*b, 159 a*b+c). Eval lists
+are distinct, so the small a*b and a*b+c pools run dry and longer lists lean towards a+b and a-b,
+the hardest for the tiny model: compare accuracies only across lists of the same length.
+
+Invariants:
+- Every answer is a non-negative integer.
+- A question is in the eval split iff blake2b(question) % EVAL_BUCKETS == 0 (not Python's salted
+  `hash`), so train and eval never share a question, for any seed, step or count.
+- `problems` and `train_prompts` are pure functions of their arguments and return distinct
+  problems: a restarted process regenerates exactly the same list.
+- `reward` never raises and costs microseconds, whatever the completion (it looks at no more
+  than MAX_ANSWER_CHARS characters after stripping whitespace).
+"""
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+PROMPT_SUFFIX = "="
+EVAL_BUCKETS = 10  # one question in ten is held out
+MAX_ANSWER_CHARS = 18
+MAX_MISSES = 20_000  # draws in a row that find no new problem of the split
+SPLITS = ("train", "eval")
+
+_CANONICAL = re.compile(r"0|[1-9][0-9]*")  # [0-9], not \d: int() would accept "８１" too
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    """Exactly the text given to the model, PROMPT_SUFFIX included."""
+    answer: int
+    """The non-negative integer the completion must spell, in canonical decimal."""
+
+
+def _add(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"{a}+{b}", a + b
+
+
+def _sub(rng: random.Random) -> tuple[str, int]:
+    a = rng.randint(0, 99)
+    b = rng.randint(0, a)  # keeps the answer non-negative
+    return f"{a}-{b}", a - b
+
+
+def _mul(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(0, 12), rng.randint(0, 12)
+    return f"{a}*{b}", a * b
+
+
+def _mul_add(rng: random.Random) -> tuple[str, int]:
+    a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(0, 20)
+    return f"{a}*{b}+{c}", a * b + c
+
+
+# Harder mixes (three operands, wider ranges) left the ~1M-parameter model far below 30% after
+# minutes of pretraining; these four reach it in ~3 CPU minutes.
+TEMPLATES: tuple[Callable[[random.Random], tuple[str, int]], ...] = (_add, _sub, _mul, _mul_add)
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def split_of(question: str) -> str:
+    """The split a question belongs to ("train" or "eval"); the same on every machine and run."""
+    return "eval" if _digest(question) % EVAL_BUCKETS == 0 else "train"
+
+
+def _draw(key: str, split: str, n: int) -> list[Problem]:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(_digest(key))
+    seen: dict[str, Problem] = {}
+    misses = 0
+    while len(seen) < n:
+        expression, answer = rng.choice(TEMPLATES)(rng)
+        question = f"What is {expression}?"
+        if question in seen or split_of(question) != split:
+            misses += 1
+            if misses > MAX_MISSES:  # the split's pool is (nearly) exhausted
+                raise ValueError(f"could not draw {n} distinct {split} problems; ask for fewer")
+            continue
+        seen[question] = Problem(prompt=question + PROMPT_SUFFIX, answer=answer)
+        misses = 0
+    return list(seen.values())
+
+
+def problems(seed: int, split: str, n: int) -> list[Problem]:
+    """`n` distinct problems of `split`, a pure function of (seed, split, n).
+
+    The first k of problems(s, split, n) are problems(s, split, k): a longer list extends a
+    shorter one. Raises ValueError when the split holds fewer than `n` questions.
+    """
+    return _draw(f"problems/{seed}/{split}", split, n)
+
+
+def train_prompts(seed: int, epoch: int, step: int, count: int) -> list[Problem]:
+    """Step `step`'s `count` distinct training problems, a pure function of (seed, epoch, step)."""
+    return _draw(f"train_prompts/{seed}/{epoch}/{step}", "train", count)
+
+
+def format_answer(answer: int) -> str:
+    """The completion text (before EOS) that earns reward 1.0: canonical decimal."""
+    if answer < 0:
+        raise ValueError(f"answers are non-negative, got {answer}")
+    return str(answer)
+
+
+def reward(completion_text: str, answer: int) -> float:
+    """1.0 iff the completion, stripped of surrounding whitespace, is `answer` in canonical decimal.
+
+    "81", " 81\\n" -> 1.0; "081", "+81", "81.0", "8 1", "81 is it" -> 0.0. Leading zeros are
+    rejected: the model is trained to write canonical answers, and accepting "081" would reward a
+    format no evaluator downstream expects. Never raises (non-strings score 0.0).
+    """
+    if not isinstance(completion_text, str):
+        return 0.0
+    text = completion_text.strip()
+    if len(text) > MAX_ANSWER_CHARS or not _CANONICAL.fullmatch(text):
+        return 0.0
+    return 1.0 if int(text) == answer else 0.0

@@ -1,0 +1,1 @@
+"""Evaluation: avg@k / pass@k over held-out problems."""

@@ -1,0 +1,1 @@
+"""Generation: the vLLM engine wrapper, its weight-sync worker extension, and the generator role loop."""

