@@ -1,0 +1,36 @@
+"""The local launcher end to end: a short demo runs, and a failing child stops the run with its error."""
+
+import json
+import subprocess
+import sys
+
+
+def submit(repo, run_dir, *overrides, timeout=600):
+    argv = [sys.executable, "-m", "rltools", "submit", str(repo / "configs" / "demo.yaml"), "--set", f"run.dir={run_dir}"]
+    for override in overrides:
+        argv += ["--set", override]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=repo)
+
+
+def test_a_failing_generator_stops_the_run_and_shows_its_error(repo, tmp_path):
+    # 1 KiB of KV cache cannot hold one sequence: the vLLM engine refuses to start.
+    result = submit(repo, tmp_path / "run", "generator.kv_cache_memory_bytes=1024", "schedule.steps=2")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "generator 0 failed" in result.stderr
+    assert "generator_0.log" in result.stderr
+    alive = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True)
+    assert alive.stdout.strip() == "", "children outlived the launcher"
+
+
+def test_short_demo_runs_end_to_end(repo, tmp_path):
+    run_dir = tmp_path / "run"
+    result = submit(repo, run_dir, "schedule.steps=4", "eval.problems=16", "schedule.eval_every=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    for key in ("reward_mean", "accuracy", "kl", "entropy", "clip_frac", "gen_tokens_per_s", "generation_s",
+                "training_s", "sync_s", "staleness"):
+        assert key in lines[0]
+    assert all(0 <= m["staleness"] <= 1 for m in lines)
+    assert sorted(p.name for p in (run_dir / "eval").iterdir()) == ["step_0.json", "step_2.json", "step_4.json"]
+    assert "held-out avg@8:" in result.stderr and "before ->" in result.stderr
