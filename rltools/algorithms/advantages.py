@@ -21,10 +21,10 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_st
     sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, rewards)
     means = sums / counts
     centered = rewards - means[inverse]
-    metrics = {"zero_std_groups": 0.0}
+    squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, centered**2)
+    std = torch.sqrt(squares / (counts - 1).clamp(min=1))
+    # Groups that teach nothing (every sample scored alike), reported whichever scaling is used.
+    metrics = {"zero_std_groups": float((std == 0).to(torch.float64).mean())}
     if scale_by_std:
-        squares = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, centered**2)
-        std = torch.sqrt(squares / (counts - 1).clamp(min=1))
         centered = centered / (std[inverse] + STD_EPS)
-        metrics["zero_std_groups"] = float((std == 0).to(torch.float64).mean())
     return centered.to(torch.float32), metrics

