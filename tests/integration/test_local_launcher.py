@@ -34,3 +34,16 @@ def test_short_demo_runs_end_to_end(repo, tmp_path):
     assert all(0 <= m["staleness"] <= 1 for m in lines)
     assert sorted(p.name for p in (run_dir / "eval").iterdir()) == ["step_0.json", "step_2.json", "step_4.json"]
     assert "held-out avg@8:" in result.stderr and "before ->" in result.stderr
+
+
+def test_demo_learns(repo, tmp_path):
+    """A shortened default demo: the held-out avg@8 and the training reward both rise."""
+    run_dir = tmp_path / "run"
+    result = submit(repo, run_dir, "schedule.steps=150", "schedule.eval_every=150")
+    assert result.returncode == 0, result.stderr[-3000:]
+    before = json.loads((run_dir / "eval" / "step_0.json").read_text())["avg_at_k"]
+    after = json.loads((run_dir / "eval" / "step_150.json").read_text())["avg_at_k"]
+    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    early, late = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
+    assert after > before + 0.015, f"held-out avg@8 {before:.3f} -> {after:.3f}"
+    assert late > early, f"training reward {early:.3f} -> {late:.3f}"
