@@ -54,6 +54,17 @@ def check_topology(config: RLConfig) -> None:
             f"cluster.trainers.ntasks_per_node ({trainers.ntasks_per_node}) must equal "
             f"cluster.trainers.gpus_per_node ({trainers.gpus_per_node}): one trainer rank per GPU"
         )
+    samples = config.schedule.prompts_per_step * config.schedule.group_size
+    if samples % trainers.ntasks:
+        raise UserError(
+            f"schedule.prompts_per_step x schedule.group_size = {samples} samples per step do not split evenly "
+            f"over {trainers.ntasks} trainer ranks; make it a multiple of the trainer rank count"
+        )
+    if config.schedule.prompts_per_step < gens.ntasks:
+        raise UserError(
+            f"schedule.prompts_per_step ({config.schedule.prompts_per_step}) is smaller than the number of "
+            f"generators ({gens.ntasks}): some generators would have nothing to sample"
+        )
     t = config.trainer
     model_parallel = t.tensor_parallel * t.pipeline_parallel
     if trainers.ntasks % model_parallel:

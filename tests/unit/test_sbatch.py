@@ -74,6 +74,12 @@ def test_optional_sbatch_options(repo):
         assert f"#SBATCH {line}\n" in script
 
 
+def test_samples_must_split_over_trainer_ranks(repo, capsys):
+    argv = ["submit", str(repo / "configs/demo.yaml"), "--dry-run", "--set", "cluster.trainers.ntasks_per_node=3"]
+    assert main(argv) == 2
+    assert "128 samples per step do not split evenly over 3 trainer ranks" in capsys.readouterr().err
+
+
 def test_topology_mismatch_is_a_user_error(repo, capsys):
     argv = ["submit", str(repo / "configs/aime.yaml"), "--dry-run", "--set", "cluster.trainers.ntasks_per_node=2"]
     assert main(argv) == 2
