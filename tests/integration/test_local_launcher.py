@@ -1,8 +1,10 @@
 """The local launcher end to end: a short demo runs, and a failing child stops the run with its error."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 
 def submit(repo, run_dir, *overrides, timeout=600):
@@ -19,6 +21,21 @@ def test_a_failing_generator_stops_the_run_and_shows_its_error(repo, tmp_path):
     assert "generator 0 failed" in result.stderr
     assert "generator_0.log" in result.stderr
     alive = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True)
+    assert alive.stdout.strip() == "", "children outlived the launcher"
+
+
+def test_ctrl_c_stops_every_child(repo, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "rltools", "submit", str(repo / "configs" / "demo.yaml"), "--set", f"run.dir={run_dir}"]
+    launcher = subprocess.Popen(argv, cwd=repo, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists():  # mid-run: training has started
+        assert time.monotonic() < deadline and launcher.poll() is None, "the demo never reached its first step"
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=30) == 130
+    assert "interrupted" in launcher.stderr.read()
+    alive = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert alive.stdout.strip() == "", "children outlived the launcher"
 
 
