@@ -1,7 +1,12 @@
-"""Turning rollouts into padded tensors, and a model's per-token logprobs of the completions.
+"""Turning rollouts into tensors, and a model's per-token logprobs of the completions.
 
-Invariant: completion token j of sample i (at sequence position P_i + j) is scored by the logits at
-position P_i + j - 1, so the result aligns one-to-one with `RolloutBatch.completion_logprobs`.
+Samples of one group share their prompt, so each distinct prompt is run once: its KV cache is
+computed (with gradients) for the distinct prompts, then gathered to every sample, and only the
+completion tokens are run on top. For G samples per prompt this cuts the tokens processed by
+roughly G x prompt length — most of a step's compute when completions are short.
+
+Invariant: completion token j of sample i is scored by the logits that predict it (the prompt's
+last position for j = 0), so the result aligns one-to-one with `RolloutBatch.completion_logprobs`.
 """
 
 from dataclasses import dataclass
@@ -14,33 +19,37 @@ from ..rollout import RolloutBatch
 
 @dataclass
 class Packed:
-    input_ids: torch.Tensor  # [B, L] prompt + completion, right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    positions: torch.Tensor  # [B, T] index into the next-token logprobs for each completion token
-    mask: torch.Tensor  # [B, T] 1 for real completion tokens
+    prompt_ids: torch.Tensor  # [P, Lp] distinct prompts, left-padded so they all end at column Lp-1
+    prompt_mask: torch.Tensor  # [P, Lp]
+    prompt_of: torch.Tensor  # [B] row of each sample's prompt in prompt_ids
+    completion_ids: torch.Tensor  # [B, T] right-padded
+    mask: torch.Tensor  # [B, T] 1 for real completion tokens (float)
     old_logprobs: torch.Tensor  # [B, T] the generator's logprobs
 
 
 def pack(batch: RolloutBatch, indices: np.ndarray, pad_id: int, device: torch.device) -> Packed:
-    prompts = [batch.prompt(i) for i in indices]
-    completions = [batch.completion(i) for i in indices]
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    width, steps = max(lengths), max(1, max(len(c) for c in completions))
-    input_ids = np.full((len(indices), width), pad_id, dtype=np.int64)
-    attention = np.zeros((len(indices), width), dtype=np.int64)
-    positions = np.zeros((len(indices), steps), dtype=np.int64)
+    rows: dict[tuple, int] = {}
+    prompt_of = [rows.setdefault(tuple(batch.prompt(i).tolist()), len(rows)) for i in indices]
+    width = max(len(p) for p in rows)
+    prompt_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    prompt_mask = np.zeros((len(rows), width), dtype=np.int64)
+    for prompt, row in rows.items():
+        prompt_ids[row, width - len(prompt) :] = prompt
+        prompt_mask[row, width - len(prompt) :] = 1
+    steps = max(1, max(len(batch.completion(i)) for i in indices))
+    completion_ids = np.full((len(indices), steps), pad_id, dtype=np.int64)
     mask = np.zeros((len(indices), steps), dtype=np.float32)
     old = np.zeros((len(indices), steps), dtype=np.float32)
-    for row, (i, prompt, completion) in enumerate(zip(indices, prompts, completions)):
-        p, c = len(prompt), len(completion)
-        input_ids[row, :p] = prompt
-        input_ids[row, p : p + c] = completion
-        attention[row, : p + c] = 1
-        positions[row, :c] = np.arange(p - 1, p - 1 + c)
+    for row, i in enumerate(indices):
+        c = len(batch.completion(i))
+        completion_ids[row, :c] = batch.completion(i)
         mask[row, :c] = 1.0
         old[row, :c] = batch.logprobs(i)
     as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return Packed(as_tensor(input_ids), as_tensor(attention), as_tensor(positions), as_tensor(mask), as_tensor(old))
+    return Packed(
+        as_tensor(prompt_ids), as_tensor(prompt_mask), as_tensor(np.array(prompt_of, dtype=np.int64)),
+        as_tensor(completion_ids), as_tensor(mask), as_tensor(old),
+    )
 
 
 def completion_logprobs(model, packed: Packed, temperature: float = 1.0, with_entropy: bool = False):
@@ -49,17 +58,31 @@ def completion_logprobs(model, packed: Packed, temperature: float = 1.0, with_en
     Logits are divided by the sampling temperature, as vLLM's processed logprobs are: the ratio
     then compares the distribution that was actually sampled.
     """
-    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-    logits = logits[:, :-1].float()
+    positions = (packed.prompt_mask.cumsum(1) - 1).clamp(min=0)
+    prompt = model(
+        input_ids=packed.prompt_ids, attention_mask=packed.prompt_mask, position_ids=positions, use_cache=True
+    )
+    cache = prompt.past_key_values
+    cache.reorder_cache(packed.prompt_of)  # differentiable gather: one cache row per sample
+    lengths = packed.prompt_mask.sum(1)[packed.prompt_of]
+    steps = packed.completion_ids.shape[1]
+    attention = torch.cat([packed.prompt_mask[packed.prompt_of], packed.mask.to(packed.prompt_mask.dtype)], dim=1)
+    attention[:, packed.prompt_mask.shape[1]] = 1  # a sample with an empty completion still has one query
+    completion = model(
+        input_ids=packed.completion_ids,
+        attention_mask=attention,
+        position_ids=lengths.unsqueeze(1) + torch.arange(steps, device=lengths.device),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    first = prompt.logits[:, -1][packed.prompt_of].unsqueeze(1)  # predicts completion token 0
+    logits = torch.cat([first, completion.logits[:, :-1]], dim=1).float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    next_tokens = packed.input_ids[:, 1:].unsqueeze(-1)
-    token_logp = logp.gather(-1, next_tokens).squeeze(-1)  # [B, L-1]
-    positions = packed.positions.clamp(max=token_logp.shape[1] - 1)
-    result = token_logp.gather(1, positions)
+    result = logp.gather(-1, packed.completion_ids.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return result, None
     with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1).gather(1, positions)
+        entropy = -(logp.exp() * logp).sum(-1)
     return result, entropy

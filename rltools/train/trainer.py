@@ -1,8 +1,9 @@
 """One optimizer step of GRPO / Dr.GRPO on a step's rollouts, on one trainer rank.
 
 Invariant: advantages are computed over the whole step (every rank sees every sample, so groups
-stay whole); each rank then trains on its strided share of samples, and gradients are averaged
-across ranks by FSDP2, which equals the single-rank mean because shares have equal size.
+stay whole); each rank then trains on a contiguous block of samples (whole groups where the sizes
+allow, so a prompt's forward pass is shared by its samples), and gradients are averaged across
+ranks by FSDP2, which equals the single-rank mean because blocks have equal size.
 """
 
 import numpy as np
@@ -48,7 +49,7 @@ class Trainer:
         advantages, metrics = group_advantages(
             torch.from_numpy(batch.rewards), torch.from_numpy(batch.group_ids), scale_by_std=self.algorithm.type == "grpo"
         )
-        local = np.arange(self.rank, len(batch), self.world_size)
+        local = np.array_split(np.arange(len(batch)), self.world_size)[self.rank]
         sums: dict[str, float] = {}
         self.model.train()
         for start in range(0, len(local), self.micro_batch_size):

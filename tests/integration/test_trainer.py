@@ -131,3 +131,31 @@ def test_fsdp2_two_ranks_match_one_rank(tiny_model, tmp_path):
         torch.testing.assert_close(sharded["weights"][name], tensor, rtol=1e-4, atol=1e-6)
     base = dict(load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LoraConfig(enabled=False)).state_dict())
     assert any(not torch.equal(base[n], t) for n, t in single["weights"].items())  # training did something
+
+
+def test_shared_prompt_logprobs_equal_a_full_sequence_forward(tiny_model):
+    """Running each distinct prompt once (KV cache gathered to its samples) changes no logprob or gradient."""
+    model = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LORA)
+    batch = synthetic_batch(n=12, seed=3)  # then give each group of 4 one prompt
+    groups = [batch.prompt(4 * (i // 4)).tolist() for i in range(len(batch))]
+    samples = [Sample(groups[i], batch.completion(i).tolist(), batch.logprobs(i).tolist(), 0.0, i // 4, i % 4,
+                      FinishReason.STOP) for i in range(len(batch))]
+    batch = RolloutBatch.from_samples(samples, policy_version=0)
+    packed = pack(batch, np.arange(len(batch)), pad_id=0, device=torch.device("cpu"))
+    assert packed.prompt_ids.shape[0] == 3
+    ours, _ = completion_logprobs(model, packed)
+    (ours * packed.mask).sum().backward()  # padding positions hold junk by design
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    reference = []
+    for i in range(len(batch)):  # plain: the whole sequence, one sample at a time
+        prompt, completion = batch.prompt(i).tolist(), batch.completion(i).tolist()
+        ids = torch.tensor([prompt + completion])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        reference.append(logp[len(prompt) - 1 :].gather(-1, ids[0, len(prompt):, None]).squeeze(-1))
+    torch.stack([r.sum() for r in reference]).sum().backward()
+    for i, ref in enumerate(reference):
+        torch.testing.assert_close(ours[i, : len(ref)], ref.detach(), rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-3, atol=1e-5)
