@@ -1,12 +1,14 @@
 """Pretrain the tiny char-level Llama of the CPU demo on arithmetic, and save it in HF format.
 
-    .venv/bin/python scripts/make_tiny_model.py [--out rltools/assets/tiny-arith] [--target 0.35]
+    .venv/bin/python scripts/make_tiny_model.py [--out rltools/assets/tiny-arith]
 
-The model is deliberately weak: pretraining stops as soon as sampled accuracy (temperature 1.0,
-avg@8 on the first 200 held-out problems) reaches --target (0.35), so that RL has room to add
-15+ points. Only the choice of the stopping step looks at held-out problems.
-Seeded and single-threaded: the same arguments give the same weights on this machine (checked:
-bit-identical model.safetensors). Seed 0: 817,280 parameters, stops at step 1350, ~5 CPU minutes.
+The model is deliberately weak, so that RL has room to add 15+ points: a fixed budget of steps
+(--max-steps) with the LR decayed to zero, and label smoothing, which leaves the sampled accuracy
+(temperature 1.0) well below the greedy one. No choice here looks at eval problems: progress is
+probed on train-split questions kept out of the batches; eval is only reported at the end.
+Seeded and single-threaded: the same arguments give the same weights on this machine.
+Seed 0: 817,280 parameters, 1500 steps in ~4.7 CPU minutes; avg@8 0.282, greedy 0.512 on 500 eval
+problems (HF sampling; the demo's vLLM eval on its 256 problems reads avg@8 0.273).
 
 Output: config.json, generation_config.json, model.safetensors (fp32), tokenizer.json,
 tokenizer_config.json. The tokenizer is a `tokenizers` WordLevel model over single characters
@@ -106,9 +108,9 @@ def train(model, tokenizer, seed: int, steps: int, batch_size: int, lr: float, s
     step varies wildly (shifting the data stream by one batch moved avg@8 after 1000 steps from 59%
     to 16%), so stopping the first time a probe crosses a bar picks a lucky point of a chaotic phase:
     the model it gave lost 15 points to one Adam step at 3e-4. Decaying to zero ends in a settled
-    state. Why label smoothing: it caps each token's probability near 1 - `smoothing`, so a model
-    that knows the answer (greedy) still samples it at temperature 1.0 only part of the time. That
-    gap is what RL closes first, and bounded logits keep the model smooth under fine-tuning."""
+    state instead. Why label smoothing: it caps each token's probability near 1 - `smoothing`, so a
+    model that knows the answer (greedy) still samples it at temperature 1.0 only part of the time:
+    a gap RL can close (seed 0: greedy 0.51, avg@8 0.28 on 500 eval problems)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     def schedule(k: int) -> float:

@@ -99,7 +99,7 @@ def test_vllm_avg_at_8_is_in_the_sanity_band(llm):
     scores = [reward(s.text, p.answer) for p, out in zip(held_out, outputs) for s in out.outputs]
     assert sum(s.finish_reason == "stop" for out in outputs for s in out.outputs) > 0.9 * len(scores)
     avg_at_8 = sum(scores) / len(scores)
-    assert 0.15 <= avg_at_8 <= 0.6, f"avg@8 {avg_at_8:.3f} on 64 held-out problems"  # shipped model: ~0.36
+    assert 0.15 <= avg_at_8 <= 0.6, f"avg@8 {avg_at_8:.3f} on 64 held-out problems"  # shipped model: 0.27 on the demo's 256
 
 
 def test_vllm_seeds_sample_j_of_a_request_with_seed_plus_j(llm):
