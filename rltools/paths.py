@@ -100,6 +100,10 @@ class RunPaths:
     def weights(self) -> Path:
         return self.root / "weights"
 
+    def adapter_dir(self, version: int) -> Path:
+        """The LoRA adapter of a policy version, in PEFT layout, as the generator serves it."""
+        return self.weights / f"adapter_v{version}"
+
     @property
     def eval_dir(self) -> Path:
         return self.root / "eval"

@@ -124,6 +124,9 @@ class GeneratorConfig(Section):
     """Fraction of GPU memory vLLM may take (GPU only)."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     """KV-cache size in bytes; set it on CPU, where vLLM otherwise takes ~90% of RAM."""
+    weight_sync: Literal["full", "lora"] = "full"
+    """What trainers send each step: full (LoRA merged into every weight, loaded in place) or lora
+    (the adapter tensors only, served by vLLM's LoRA support: far less traffic for large models)."""
     enforce_eager: bool = False
     """Run vLLM without CUDA graphs / torch.compile (faster start-up, slower decoding on GPU)."""
     sync_timeout_s: float = Field(1800.0, gt=0)
@@ -262,6 +265,19 @@ class RLConfig(Section):
     """Held-out evaluation (avg@k)."""
     cluster: ClusterConfig = ClusterConfig()
     """Where and how the job runs."""
+
+    @model_validator(mode="after")
+    def _lora_sync_needs_linear_adapters(self):
+        if self.generator.weight_sync == "lora":
+            if not self.lora.enabled:
+                raise ValueError("generator.weight_sync: lora needs lora.enabled: true (or use weight_sync: full)")
+            unsupported = sorted({"lm_head", "embed_tokens"} & set(self.lora.target_modules))
+            if unsupported:
+                raise ValueError(
+                    f"generator.weight_sync: lora cannot serve adapters on {unsupported} (vLLM adapts linear "
+                    "layers only): remove them from lora.target_modules or use weight_sync: full"
+                )
+        return self
 
     @model_validator(mode="after")
     def _kl_needs_a_reference(self):

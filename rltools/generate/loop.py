@@ -29,7 +29,7 @@ def run_generator(run_dir: str) -> None:
     paths = RunPaths(run_dir)
     config = load_config(paths.config)
     task = make_task(config.data, config.reward, config.run.seed)
-    engine = VLLMEngine(config.model, config.generator, config.run.seed)
+    engine = VLLMEngine(config.model, config.generator, config.run.seed, config.lora)
     engine.join_weight_sync(
         paths, sync_rank_base(config, env.rank), sync_world_size(config), env.restart_count, sync_backend()
     )
@@ -71,7 +71,7 @@ def run_generator(run_dir: str) -> None:
 
 
 def receive(engine: VLLMEngine, task, config, paths: RunPaths, env: RoleEnv, version: int) -> int:
-    new_version, seconds = engine.receive_weights()
+    new_version, seconds = engine.receive_weights(paths, version + 1)
     log.info("policy version %d loaded in %.3f s", new_version, seconds)
     every = config.schedule.eval_every
     final = new_version == config.schedule.steps

@@ -14,7 +14,7 @@ Invariants:
 import time
 from dataclasses import dataclass
 
-from ..config.schema import GeneratorConfig, ModelConfig
+from ..config.schema import GeneratorConfig, LoraConfig, ModelConfig
 from ..paths import RunPaths
 from ..rollout import FinishReason
 
@@ -43,13 +43,17 @@ def request_seed(run_seed: int, step: int, index: int, n: int) -> int:
 
 
 class VLLMEngine:
-    def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int):
+    def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, lora: LoraConfig | None = None):
         from vllm import LLM
 
         self.config = generator
+        self.lora = lora
+        self.lora_request = None  # policy version 0 is the base model (LoRA B starts at zero)
         kwargs = {}
         if generator.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
+        if generator.weight_sync == "lora":
+            kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
         self.llm = LLM(
             model=model.path,
             dtype=model.dtype,
@@ -76,7 +80,9 @@ class VLLMEngine:
             )
             for seed in seeds
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        # Every request of a batch carries the same adapter: vLLM misapplies adapters in batches
+        # that mix base and LoRA requests (DESIGN.md section 4).
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return [
             PromptResult(
                 prompt_token_ids=list(out.prompt_token_ids),
@@ -100,11 +106,34 @@ class VLLMEngine:
             args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s),
         )
 
-    def receive_weights(self) -> tuple[int, float]:
+    def receive_weights(self, paths: RunPaths, next_version: int) -> tuple[int, float]:
         """Block until trainer rank 0 broadcasts new weights; load them. Returns (version, seconds)."""
         start = time.perf_counter()
-        versions = set(self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s,)))
-        if len(versions) != 1:
-            raise RuntimeError(f"vLLM workers loaded different policy versions {sorted(versions)}")
+        adapter = paths.adapter_dir(next_version)
+        answers = set(self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s, str(adapter))))
+        if len(answers) != 1:
+            raise RuntimeError(f"vLLM workers loaded different policy versions {sorted(answers)}")
+        version, kind = answers.pop()
+        if version != next_version:
+            raise RuntimeError(f"expected policy version {next_version} from trainer rank 0, received {version}")
+        if kind == "lora":
+            self._serve_adapter(paths, version)
         self.llm.reset_prefix_cache()
-        return versions.pop(), time.perf_counter() - start
+        return version, time.perf_counter() - start
+
+    def _serve_adapter(self, paths: RunPaths, version: int) -> None:
+        import json
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        adapter = paths.adapter_dir(version)
+        config = {
+            "peft_type": "LORA", "r": self.lora.rank, "lora_alpha": self.lora.alpha, "lora_dropout": 0.0,
+            "target_modules": list(self.lora.target_modules), "bias": "none", "task_type": "CAUSAL_LM",
+        }
+        (adapter / "adapter_config.json").write_text(json.dumps(config))
+        previous = self.lora_request
+        self.lora_request = LoRARequest(f"policy-v{version}", version, str(adapter))  # a new id: vLLM reloads
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)

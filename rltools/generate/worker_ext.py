@@ -5,6 +5,8 @@ each joins the weight-sync group itself and loads what it receives; the generato
 orchestrates. With the in-process CPU engine the "worker" is in the generator's own process.
 """
 
+from pathlib import Path
+
 import torch
 
 from ..paths import RunPaths
@@ -24,12 +26,23 @@ class WeightSyncExtension:
         self._rltools_receiver = WeightReceiver(group)
         return rank
 
-    def rltools_receive_weights(self, timeout_s: float) -> int:
-        """Receive one weight message from trainer rank 0, load it in place; returns its policy version."""
+    def rltools_receive_weights(self, timeout_s: float, adapter_dir: str) -> tuple[int, str]:
+        """Receive one weight message from trainer rank 0; returns (policy version, kind).
+
+        kind full: loaded in place. kind lora: written as a PEFT adapter under `adapter_dir` (by TP
+        rank 0; every rank receives the whole adapter), which the engine then serves.
+        """
         received: list[tuple[str, torch.Tensor]] = []
         # The channel's views are valid only inside the callback: copy them out.
         transfer = self._rltools_receiver.receive(
             lambda pairs: received.extend((name, tensor.clone()) for name, tensor in pairs), timeout_s=timeout_s
         )
-        self.model_runner.reload_weights(weights_iterator=received)
-        return transfer.version
+        if transfer.kind == "full":
+            self.model_runner.reload_weights(weights_iterator=received)
+        elif self.rank == 0:
+            from safetensors.torch import save_file
+
+            target = Path(adapter_dir)
+            target.mkdir(parents=True, exist_ok=True)
+            save_file(dict(received), str(target / "adapter_model.safetensors"))
+        return transfer.version, transfer.kind

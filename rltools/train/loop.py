@@ -20,7 +20,7 @@ from ..launch.role_env import RoleEnv
 from ..paths import RunPaths
 from ..roles import sync_backend, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore
-from .model import export_weights, load_policy, shard_model
+from .model import export_adapter, export_weights, load_policy, shard_model
 from .trainer import Trainer
 
 log = logging.getLogger("rltools.trainer")
@@ -63,9 +63,11 @@ def run_trainer(run_dir: str) -> None:
         waited = time.perf_counter() - start
         metrics = trainer.step(batch)
         trained = time.perf_counter() - start - waited
-        weights = export_weights(model, lora_scale)  # collective: every trainer rank iterates
+        kind = config.generator.weight_sync
+        # collective: every trainer rank iterates
+        weights = export_adapter(model) if kind == "lora" else export_weights(model, lora_scale)
         if sender is not None:
-            sender.broadcast(weights, version=step + 1, kind="full")
+            sender.broadcast(weights, version=step + 1, kind=kind)
         else:
             for _ in weights:
                 pass

@@ -76,6 +76,15 @@ def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple
         yield name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."), tensor
 
 
+def export_adapter(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, full tensor) of every LoRA weight, named as in a saved PEFT adapter
+    (`...q_proj.lora_A.weight`). Collective under FSDP2, like `export_weights`."""
+    for name, tensor in _full_state_dict(model).items():
+        match = _LORA_WEIGHT.fullmatch(name)
+        if match:
+            yield f"{match.group(1)}.lora_{match.group(2)}.weight", tensor
+
+
 def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, tensor in model.state_dict().items():

@@ -64,3 +64,19 @@ def test_demo_learns(repo, tmp_path):
     early, late = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
     assert after > before + 0.015, f"held-out avg@8 {before:.3f} -> {after:.3f}"
     assert late > early, f"training reward {early:.3f} -> {late:.3f}"
+
+
+def test_lora_weight_sync_serves_exactly_the_trainers_adapter(repo, tmp_path):
+    """weight_sync: lora sends adapter tensors only; vLLM then samples from the very policy the trainer
+    holds, so on-policy (staleness 0) the trainer's recomputed logprobs equal vLLM's."""
+    run_dir = tmp_path / "run"
+    result = submit(
+        repo, run_dir, "generator.weight_sync=lora", "schedule.max_staleness=0", "schedule.steps=4",
+        "eval.problems=16", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["staleness"] for m in lines] == [0, 0, 0, 0]
+    assert all(m["logprob_diff"] < 1e-3 for m in lines[1:]), [m["logprob_diff"] for m in lines]
+    assert any(m["grad_norm"] > 0 for m in lines)  # the adapters did change between versions
+    assert [p.name for p in (run_dir / "weights").iterdir()] == ["adapter_v4"]  # older versions cleaned up
