@@ -6,13 +6,12 @@ from Slurm, and can reach trainer rank 0 — what the weight-sync rendezvous nee
 """
 
 import json
-import os
 import socket
 import sys
-import time
 from dataclasses import asdict
 
 from rltools.config import load_config
+from rltools.launch.address import AddressTimeout, publish_address, wait_for_address
 from rltools.launch.role_env import RoleEnv
 from rltools.paths import RunPaths
 
@@ -35,9 +34,7 @@ def serve(env: RoleEnv, paths: RunPaths, expected: int) -> None:
     server = socket.create_server((socket.gethostbyname(env.trainer_host), 0))
     server.settimeout(DEADLINE_S)
     host, port = server.getsockname()[:2]
-    tmp = paths.selfcheck_address.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"host": host, "port": port, "job_id": env.job_id, "restart": env.restart_count}))
-    os.replace(tmp, paths.selfcheck_address)
+    publish_address(paths.selfcheck_address, host, port, env.attempt)
     print(f"selfcheck trainer rank 0 listening on {host}:{port}, expecting {expected} generator(s)", flush=True)
     for _ in range(expected):
         try:
@@ -51,29 +48,16 @@ def serve(env: RoleEnv, paths: RunPaths, expected: int) -> None:
 
 
 def connect(env: RoleEnv, paths: RunPaths) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        address = _read_address(paths, env)
-        if address:
-            break
-        if time.monotonic() > deadline:
-            raise SystemExit(f"selfcheck: trainer rank 0 never published {paths.selfcheck_address} within {DEADLINE_S:.0f} s")
-        time.sleep(0.5)
+    try:
+        _, port = wait_for_address(paths.selfcheck_address, env.attempt, DEADLINE_S, "selfcheck trainer rank 0")
+    except AddressTimeout as err:
+        raise SystemExit(f"selfcheck: {err}") from None
     # Connect by the host name RoleEnv derived from the trainer component's node list: this is the
     # lookup the weight-sync rendezvous relies on.
-    with socket.create_connection((env.trainer_host, address["port"]), timeout=DEADLINE_S) as conn:
+    with socket.create_connection((env.trainer_host, port), timeout=DEADLINE_S) as conn:
         conn.sendall((json.dumps({"rank": env.rank, "node": env.node}) + "\n").encode())
         trainer_node = conn.makefile().readline().strip()
-    print(f"selfcheck met trainer rank 0 on node {trainer_node} at {env.trainer_host}:{address['port']}", flush=True)
-
-
-def _read_address(paths: RunPaths, env: RoleEnv) -> dict | None:
-    try:
-        address = json.loads(paths.selfcheck_address.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    fresh = address["job_id"] == env.job_id and address["restart"] == env.restart_count
-    return address if fresh else None  # a file left by an earlier job must not be trusted
+    print(f"selfcheck met trainer rank 0 on node {trainer_node} at {env.trainer_host}:{port}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def run_generator(run_dir: str) -> None:
     task = make_task(config.data, config.reward, config.run.seed)
     engine = VLLMEngine(config.model, config.generator, config.run.seed, config.lora)
     engine.join_weight_sync(
-        paths, sync_rank_base(config, env.rank), sync_world_size(config), env.restart_count, sync_backend()
+        paths, sync_rank_base(config, env.rank), sync_world_size(config), env.attempt, sync_backend()
     )
     store = RolloutStore(paths, paths.read_run_id())
     schedule = config.schedule

@@ -100,7 +100,7 @@ class VLLMEngine:
         ]
 
     # -- weight sync ------------------------------------------------------------------------
-    def join_weight_sync(self, paths: RunPaths, first_rank: int, world_size: int, attempt: int, backend: str) -> None:
+    def join_weight_sync(self, paths: RunPaths, first_rank: int, world_size: int, attempt: str, backend: str) -> None:
         self.llm.collective_rpc(
             "rltools_join_sync",
             args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s),

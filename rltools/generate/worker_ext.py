@@ -14,7 +14,7 @@ from ..paths import RunPaths
 
 class WeightSyncExtension:
     def rltools_join_sync(
-        self, run_dir: str, first_rank: int, world_size: int, attempt: int, backend: str, timeout_s: float
+        self, run_dir: str, first_rank: int, world_size: int, attempt: str, backend: str, timeout_s: float
     ) -> int:
         """Join the weight-sync group as sync rank first_rank + this worker's TP rank; returns that rank."""
         from ..weight_sync import SyncOptions, WeightReceiver, join_group

@@ -1,7 +1,7 @@
 """Publishing a service address in the run directory, and finding it from another process.
 
 Invariant: a reader never sees a half-written record (tmp + fsync + rename), and never trusts a
-record left by an earlier attempt of the job (it carries the attempt number it belongs to).
+record left by an earlier start of the job (it carries the attempt it belongs to, e.g. RoleEnv.attempt).
 Readers poll with back-off until a deadline: a shared filesystem is not a message bus.
 """
 
@@ -15,7 +15,7 @@ class AddressTimeout(TimeoutError):
     """The record did not appear in time; the message names the file, the attempt and who publishes it."""
 
 
-def publish_address(path: Path, host: str, port: int, attempt: int) -> None:
+def publish_address(path: Path, host: str, port: int, attempt: int | str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump({"host": host, "port": port, "attempt": attempt}, f)
@@ -24,7 +24,7 @@ def publish_address(path: Path, host: str, port: int, attempt: int) -> None:
     os.replace(tmp, path)
 
 
-def wait_for_address(path: Path, attempt: int, timeout_s: float, publisher: str) -> tuple[str, int]:
+def wait_for_address(path: Path, attempt: int | str, timeout_s: float, publisher: str) -> tuple[str, int]:
     """(host, port) from `path` once it holds `attempt`; AddressTimeout after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     delay, found = 0.05, None

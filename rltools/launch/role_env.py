@@ -80,6 +80,12 @@ class RoleEnv:
             job_id=None,
         )
 
+    @property
+    def attempt(self) -> str:
+        """Names this start of the job: records published for another start (an earlier job in the
+        same run directory, or before a requeue) must not be trusted by this one."""
+        return f"{self.job_id}.{self.restart_count}" if self.job_id else f"local.{self.restart_count}"
+
     @staticmethod
     def local_environ(role: str, rank: int, world_size: int, restart_count: int = 0) -> dict[str, str]:
         """The variables the local launcher sets for one task (the counterpart of `_local`)."""

@@ -101,9 +101,9 @@ def init_trainer_group(env: RoleEnv, paths: RunPaths, timeout_s: float) -> None:
     if env.rank == 0:
         host = socket.gethostbyname(env.trainer_host)
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        publish_address(paths.trainer_address, host, store.port, env.restart_count)
+        publish_address(paths.trainer_address, host, store.port, env.attempt)
     else:
-        host, port = wait_for_address(paths.trainer_address, env.restart_count, timeout_s, "trainer rank 0")
+        host, port = wait_for_address(paths.trainer_address, env.attempt, timeout_s, "trainer rank 0")
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
@@ -117,7 +117,7 @@ def host_weight_sync(env: RoleEnv, paths: RunPaths, config):
         paths,
         world_size=sync_world_size(config),
         address=socket.gethostbyname(env.trainer_host),
-        attempt=env.restart_count,
+        attempt=env.attempt,
         options=options,
     )
     return WeightSender(group)

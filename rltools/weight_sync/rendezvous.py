@@ -85,7 +85,7 @@ class SyncGroup:
         return f"weight-sync group (trainer rank 0 + {self.world_size - 1} generator worker(s), backend {self.backend})"
 
 
-def host_group(paths: RunPaths, *, world_size: int, address: str, attempt: int = 0,
+def host_group(paths: RunPaths, *, world_size: int, address: str, attempt: int | str = 0,
                options: SyncOptions = SyncOptions()) -> SyncGroup:
     """Trainer rank 0: host the store at `address` (a name generator nodes resolve, e.g. RoleEnv's
     trainer_host), admit W-1 generator workers, form the group. Blocks up to options.join_timeout_s."""
@@ -97,14 +97,14 @@ def host_group(paths: RunPaths, *, world_size: int, address: str, attempt: int =
     nonce = secrets.token_hex(16)
     store.set("nonce", nonce)  # before the address is published: joiners read it straight away
     publish_address(paths.sync_address, address, store.port, attempt)
-    log.info("weight-sync: store at %s:%d (attempt %d), waiting for %d generator worker(s)",
+    log.info("weight-sync: store at %s:%d (attempt %s), waiting for %d generator worker(s)",
              address, store.port, attempt, world_size - 1)
     admissions = _Admissions(store, secret, nonce, world_size)
     _admit_all(admissions, deadline, options.join_timeout_s)
     return _form(store, admissions.group_key, 0, world_size, options, deadline, None)
 
 
-def join_group(paths: RunPaths, *, rank: int, world_size: int, attempt: int = 0,
+def join_group(paths: RunPaths, *, rank: int, world_size: int, attempt: int | str = 0,
                options: SyncOptions = SyncOptions(), device: torch.device | None = None) -> SyncGroup:
     """Generator worker with sync rank 1..W-1 (its global generator-worker index + 1): find trainer
     rank 0 of `attempt`, prove the secret, join. Blocks up to options.join_timeout_s. For nccl,

@@ -74,3 +74,10 @@ def test_local_launcher_wins_inside_a_slurm_allocation():
     # The demo run by hand inside `salloc` still uses the local launcher's variables.
     env = RoleEnv.from_environ({**SLURM_TRAINER, **RoleEnv.local_environ("trainer", 0, 1)})
     assert env.launcher == "local" and env.rank == 0
+
+
+def test_attempt_names_the_job_and_the_restart():
+    # A record published by an earlier job in the same run directory (also restart 0) is not ours.
+    assert RoleEnv.from_environ(SLURM_TRAINER).attempt == "100.2"
+    assert RoleEnv.from_environ({**SLURM_TRAINER, "SLURM_JOB_ID": "200"}).attempt == "200.2"
+    assert RoleEnv.from_environ(RoleEnv.local_environ("trainer", 0, 1, restart_count=1)).attempt == "local.1"
