@@ -26,6 +26,17 @@ def slurm():
         pytest.skip(f"no local Slurm ({problem}); run: bash scripts/local-slurm.sh start")
 
 
+def demo_run(repo, tmp_path, *overrides, entries=None):
+    """The demo config as a Slurm job in tmp_path (memory left to the partition), prepared for sbatch."""
+    from rltools.config import load_config
+    from rltools.launch.run_dir import prepare_run_dir
+    from rltools.launch.sbatch import render_sbatch
+
+    base = ["cluster.launcher=slurm", f"run.dir={tmp_path / 'run'}", "cluster.generators.mem=null", "cluster.trainers.mem=null"]
+    config = load_config(repo / "configs" / "demo.yaml", [*base, *overrides])
+    return prepare_run_dir(config, render_sbatch(config, entries))
+
+
 def sbatch(script) -> str:
     result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

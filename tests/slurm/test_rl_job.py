@@ -2,27 +2,11 @@
 
 import json
 
-from rltools.config import load_config
-from rltools.launch.run_dir import prepare_run_dir
-from rltools.launch.sbatch import render_sbatch
-
-from .conftest import sbatch, wait_for_job
+from .conftest import demo_run, sbatch, wait_for_job
 
 
 def test_rendered_demo_hetjob_trains_across_nodes(slurm, repo, tmp_path):
-    config = load_config(
-        repo / "configs" / "demo.yaml",
-        [
-            "cluster.launcher=slurm",
-            f"run.dir={tmp_path / 'run'}",
-            "schedule.steps=4",
-            "eval.problems=16",
-            "cluster.generators.mem=null",
-            "cluster.trainers.mem=null",
-            "cluster.time=00:10:00",
-        ],
-    )
-    paths = prepare_run_dir(config, render_sbatch(config))
+    paths = demo_run(repo, tmp_path, "schedule.steps=4", "eval.problems=16", "cluster.time=00:10:00")
     states = wait_for_job(sbatch(paths.sbatch_script), timeout_s=300)
     logs = {p.name: p.read_text() for p in paths.attempt_log_dir(0).glob("*.log")}
     assert set(states.values()) == {"COMPLETED"}, (states, {k: v[-1500:] for k, v in logs.items()})

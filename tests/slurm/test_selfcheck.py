@@ -2,11 +2,7 @@
 
 import json
 
-from rltools.launch.run_dir import prepare_run_dir
-from rltools.config import load_config
-from rltools.launch.sbatch import render_sbatch
-
-from .conftest import sbatch, wait_for_job
+from .conftest import demo_run, sbatch, wait_for_job
 
 SELFCHECK = {"generator": "jobs.selfcheck", "trainer": "jobs.selfcheck"}
 
@@ -17,20 +13,10 @@ def roleenvs(log_text: str) -> list[dict]:
 
 
 def test_hetjob_components_start_on_their_nodes_and_meet(slurm, repo, tmp_path):
-    config = load_config(
-        repo / "configs" / "demo.yaml",
-        [
-            "cluster.launcher=slurm",
-            f"run.dir={tmp_path / 'run'}",
-            "cluster.generators.nodes=2",
-            "cluster.trainers.ntasks_per_node=2",
-            "cluster.generators.mem=null",
-            "cluster.trainers.mem=null",
-            "cluster.time=00:05:00",
-        ],
+    paths = demo_run(
+        repo, tmp_path, "cluster.generators.nodes=2", "cluster.trainers.ntasks_per_node=2", "cluster.time=00:05:00",
+        entries=SELFCHECK,
     )
-    script = render_sbatch(config, SELFCHECK)
-    paths = prepare_run_dir(config, script)
     job_id = sbatch(paths.sbatch_script)
     states = wait_for_job(job_id)
 
