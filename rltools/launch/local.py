@@ -84,7 +84,7 @@ class Progress:
     def __init__(self, config: RLConfig, paths: RunPaths, quiet: bool = False):
         self.paths, self.steps, self.k, self.quiet = paths, config.schedule.steps, config.eval.k, quiet
         self.offset = 0
-        self.seen_evals: set[int] = set()
+        self.evals: dict[int, dict] = {}  # eval results read so far, by step
         self.tty = sys.stderr.isatty()
 
     def update(self) -> None:
@@ -100,17 +100,15 @@ class Progress:
                 f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s"
             )
             print(("\r" + text) if self.tty else text, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-        for step, result in sorted(self._evals().items()):
-            if step not in self.seen_evals:
-                self.seen_evals.add(step)
-                prefix = "\n" if self.tty else ""
-                print(f"{prefix}eval after {step} steps: avg@{result['k']} {result['avg_at_k']:.3f} "
-                      f"(+- {result['stderr']:.3f}, {result['n_problems']} problems)", file=sys.stderr, flush=True)
+        for step, result in self._new_evals():
+            prefix = "\n" if self.tty else ""
+            print(f"{prefix}eval after {step} steps: avg@{result['k']} {result['avg_at_k']:.3f} "
+                  f"(+- {result['stderr']:.3f}, {result['n_problems']} problems)", file=sys.stderr, flush=True)
 
     def finish(self) -> None:
         if self.quiet:
             return
-        evals = self._evals()
+        evals = self.evals  # complete: run_local calls update() once more before finish()
         if 0 in evals and self.steps in evals:
             before, after = evals[0]["avg_at_k"], evals[self.steps]["avg_at_k"]
             print(f"\nheld-out avg@{self.k}: {before:.3f} before -> {after:.3f} after {self.steps} steps "
@@ -128,11 +126,15 @@ class Progress:
         self.offset += len(complete)
         return complete.splitlines()
 
-    def _evals(self) -> dict[int, dict]:
-        results = {}
+    def _new_evals(self) -> list[tuple[int, dict]]:
+        """Eval results that appeared since the last poll (each file is read once)."""
+        found = []
         for path in self.paths.eval_dir.glob("step_*.json") if self.paths.eval_dir.is_dir() else ():
-            results[int(path.stem.split("_")[1])] = json.loads(path.read_text())
-        return results
+            step = int(path.stem.split("_")[1])
+            if step not in self.evals:
+                self.evals[step] = json.loads(path.read_text())
+                found.append((step, self.evals[step]))
+        return sorted(found, key=lambda item: item[0])
 
 
 def _tail(path, lines: int = 30) -> str:
