@@ -1,7 +1,12 @@
-"""What every role entry point does around its loop: logging, one torch thread on CPU, exit codes."""
+"""What every role entry point does around its loop: logging, one torch thread on CPU, exit codes.
+
+Two ways in: `python -m jobs.<role> RUN_DIR` (plain sbatch script, local launcher) and
+`run_submitted`, the call the submitit executor pickles (rltools/launch/slurm.py).
+"""
 
 import logging
 import os
+import signal
 import sys
 
 
@@ -27,3 +32,24 @@ def run_role(role: str, argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+class RoleFailed(RuntimeError):
+    """A role ended with a non-zero exit code; submitit records it as the task's error."""
+
+
+def run_submitted(run_dir: str) -> str:
+    """The task body under the submitit executor: run this task's role (srun sets RLTOOLS_ROLE)."""
+    from rltools.launch.role_env import RoleEnv
+
+    # submitit's handlers would make SIGTERM a no-op (scancel then waits out KillWait) and requeue
+    # the job from generator task 0 on the preemption signal, with no checkpoint: Slurm's default
+    # actions apply instead.
+    for signum in (signal.SIGTERM, signal.SIGCONT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_DFL)
+    logging.getLogger("submitit").propagate = False  # it has its own handler: no doubled lines
+    env = RoleEnv.from_environ()
+    code = run_role(env.role, [run_dir])
+    if code:
+        raise RoleFailed(f"{env.role} {env.rank} exited with code {code}; see its log in {run_dir}/slurm/logs")
+    return f"{env.role} {env.rank} finished"

@@ -34,7 +34,32 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--dry-run", action="store_true", help="print the job script (stdout) and topology (stderr); change nothing"
     )
+    submit.add_argument(
+        "--wait", action="store_true", help="Slurm: follow the job's progress until it ends; exit 1 unless it completes"
+    )
     submit.set_defaults(func=cmd_submit)
+
+    status = commands.add_parser("status", help="state, progress, ETA and failures of a run")
+    status.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=cmd_status)
+
+    logs = commands.add_parser("logs", help="print (or follow) a run's task logs from its latest attempt")
+    logs.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
+    logs.add_argument("--role", choices=["generator", "trainer"], help="one role's tasks only")
+    logs.add_argument("--rank", type=int, help="one task of the role (with --role)")
+    logs.add_argument("--attempt", type=int, help="an earlier attempt (0 = first start; default: the latest)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
+    logs.set_defaults(func=cmd_logs)
+
+    cancel = commands.add_parser("cancel", help="stop a run's Slurm job (all components)")
+    cancel.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
+    cancel.set_defaults(func=cmd_cancel)
+
+    plot = commands.add_parser("plot", help="draw reward, accuracy, KL and timing curves to a PNG")
+    plot.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
+    plot.add_argument("-o", "--output", type=Path, required=True, help="image file to write, e.g. run.png")
+    plot.set_defaults(func=cmd_plot)
 
     render = commands.add_parser("render", help="prepare the run directory and write the sbatch script")
     _config_arguments(render)
@@ -82,10 +107,23 @@ def cmd_submit(args) -> int:
 
         print(describe(config, plan(config)), file=sys.stderr)
         return run_local(config, paths)
-    raise UserError(
-        "submitting through Slurm from rltools is not built yet; the job script is ready: "
-        f"sbatch {paths.sbatch_script}  (then follow {paths.root}/slurm/logs)"
-    )
+    from .launch.slurm import submit_job
+
+    job = submit_job(config, paths)
+    print(describe(config, plan(config)), file=sys.stderr)
+    print(f"submitted job {job.job_id}; follow it with: rltools status {paths.root}  |  rltools logs {paths.root} -f",
+          file=sys.stderr)
+    if not args.wait:
+        return 0
+    from .launch.local import Progress
+    from .monitor import format_status, wait_for_end
+
+    progress = Progress(config, paths)
+    status = wait_for_end(paths, progress=progress)
+    progress.update()
+    progress.finish()
+    print(format_status(status), file=sys.stderr)
+    return 0 if status["state"] == "COMPLETED" else 1
 
 
 def cmd_render(args) -> int:
@@ -98,6 +136,51 @@ def cmd_render(args) -> int:
         args.output.write_text(script)
     print(describe(config, plan(config)), file=sys.stderr)
     print(f"wrote {target}; submit it with: sbatch {target}", file=sys.stderr)
+    return 0
+
+
+def cmd_status(args) -> int:
+    import json
+
+    from .monitor import format_status, open_run, run_status
+
+    status = run_status(open_run(args.run_dir))
+    print(json.dumps(status) if args.json else format_status(status))
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from .monitor import open_run, show_logs
+
+    if args.rank is not None and args.role is None:
+        raise UserError("--rank needs --role (generator or trainer): both roles have a rank 0")
+    try:
+        show_logs(open_run(args.run_dir), args.role, args.rank, args.follow, args.attempt)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from .launch.slurm import ACTIVE, cancel_job
+    from .monitor import open_run, wait_for_end
+
+    paths = open_run(args.run_dir)
+    if not paths.job_id_file.exists():
+        raise UserError(f"{paths.root} has no Slurm job (no {paths.job_id_file}); a local run stops with Ctrl-C")
+    job_id = paths.job_id_file.read_text().strip()
+    cancel_job(job_id)
+    status = wait_for_end(paths, timeout_s=120)
+    print(f"job {job_id}: {status['state']} at step {status['step']}/{status['total_steps']}")
+    return 0 if status["state"] not in ACTIVE else 1
+
+
+def cmd_plot(args) -> int:
+    from .monitor import open_run
+    from .plot import plot_run
+
+    plot_run(open_run(args.run_dir), args.output)
+    print(f"wrote {args.output}")
     return 0
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 ROLES = ("generator", "trainer")
 _SHARD_NAME = re.compile(r"gen_(\d+)\.h5")
 _STEP_NAME = re.compile(r"step_(\d+)")
+_ATTEMPT_NAME = re.compile(r"attempt_(\d+)")
 
 
 class RunPaths:
@@ -47,8 +48,17 @@ class RunPaths:
         return self.slurm_dir / "job.sbatch"
 
     @property
-    def submitit_dir(self) -> Path:
-        return self.slurm_dir / "submitit"
+    def job_id_file(self) -> Path:
+        """The Slurm job id (the hetjob leader's), written at submission and by the job script."""
+        return self.slurm_dir / "job_id"
+
+    def submitit_dir(self, role: str) -> Path:
+        """submitit's job folder for a role's tasks: pickled call, per-task results.
+
+        One folder per component: both number their tasks from 0, and submitit names a task's result
+        after its number alone.
+        """
+        return self.slurm_dir / "submitit" / role
 
     @property
     def log_dir(self) -> Path:
@@ -64,6 +74,15 @@ class RunPaths:
 
     def task_log(self, attempt: int | str, role: str, rank: int | str) -> Path:
         return self.attempt_log_dir(attempt) / f"{role}_{rank}.log"
+
+    def component_exit(self, attempt: int | str, role: str) -> Path:
+        """Exit status of a role's job step in one attempt, written by the job script as it ends."""
+        return self.attempt_log_dir(attempt) / f"{role}.exit"
+
+    def attempts(self) -> list[int]:
+        """Attempts that started (each makes its log directory), oldest first."""
+        found = [int(m.group(1)) for m in (_ATTEMPT_NAME.fullmatch(p.name) for p in self._entries(self.log_dir)) if m]
+        return sorted(found)
 
     # -- data planes (used by later stages) -------------------------------------------------
     @property
@@ -86,7 +105,7 @@ class RunPaths:
     def rollout_steps(self) -> dict[int, Path]:
         """Existing step directories by step number."""
         found = {}
-        for entry in self.rollouts.iterdir() if self.rollouts.is_dir() else ():
+        for entry in self._entries(self.rollouts):
             match = _STEP_NAME.fullmatch(entry.name)
             if match:
                 found[int(match.group(1))] = entry
@@ -130,6 +149,10 @@ class RunPaths:
     def selfcheck_address(self) -> Path:
         """Where trainer rank 0 of the cluster self-check publishes host:port."""
         return self.slurm_dir / "selfcheck_address.json"
+
+    @staticmethod
+    def _entries(directory: Path) -> list[Path]:
+        return list(directory.iterdir()) if directory.is_dir() else []
 
     def relative(self, path: Path) -> str:
         return str(path.relative_to(self.root))

@@ -15,6 +15,7 @@ import numpy as np
 from ..config import load_config
 from ..data.tasks import make_task
 from ..eval.metrics import summarize
+from ..metrics import write_scalars
 from ..launch.role_env import RoleEnv
 from ..paths import RunPaths
 from ..roles import group_id, prompt_share, sync_backend, sync_rank_base, sync_world_size
@@ -96,5 +97,6 @@ def evaluate(engine: VLLMEngine, task, config, paths: RunPaths, version: int) ->
     tmp = paths.eval_result(version).with_suffix(".tmp")
     tmp.write_text(json.dumps(summary))
     tmp.replace(paths.eval_result(version))
+    write_scalars(paths, version, summary, prefix="eval")
     log.info("eval at policy version %d: avg@%d %.3f +- %.3f", version, config.eval.k, summary["avg_at_k"], summary["stderr"])
     return summary

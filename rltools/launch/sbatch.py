@@ -25,8 +25,14 @@ TEMPLATE = "rl_job.sbatch.j2"
 _SBATCH_PATH = re.compile(r"[^\s'\"\\%]+")
 
 
-def render_sbatch(config: RLConfig, entries: dict[str, str] | None = None) -> str:
-    """The job script for a resolved config (see `config.loader.resolve`)."""
+def render_sbatch(
+    config: RLConfig, entries: dict[str, str] | None = None, commands: dict[str, list[str]] | None = None
+) -> str:
+    """The job script for a resolved config (see `config.loader.resolve`).
+
+    Each task runs `python -m <entry> RUN_DIR`, unless `commands` gives its role another argv (the
+    submitit executor runs `python -m submitit.core._submit FOLDER`, which calls the same entry).
+    """
     paths = RunPaths(config.run.dir)
     if not _SBATCH_PATH.fullmatch(str(paths.root)):
         raise UserError(
@@ -47,15 +53,27 @@ def render_sbatch(config: RLConfig, entries: dict[str, str] | None = None) -> st
         run_dir=str(paths.root),
         job_options=job_options(config),
         components=[
-            {"index": c.index, "name": c.name, "role": c.role, "entry": c.entry, "options": component_options(c, config.cluster.partition, paths)}
+            {
+                "index": c.index,
+                "name": c.name,
+                "role": c.role,
+                "command": _task_command(config, c, (commands or {}).get(c.role)),
+                "options": component_options(c, config.cluster.partition, paths),
+            }
             for c in components
         ],
         environment=sorted(config.cluster.environment.items()),
         setup=config.cluster.setup,
         # Expanded by the shell at run time: each requeue writes its own directory.
         attempt_log_dir=paths.relative(paths.attempt_log_dir("${SLURM_RESTART_COUNT:-0}")),
-        python=config.cluster.python,
+        job_id_file=paths.relative(paths.job_id_file),
     )
+
+
+def _task_command(config: RLConfig, component: Component, argv: list[str] | None) -> str:
+    if argv is None:
+        return f'{shlex.quote(str(config.cluster.python))} -m {component.entry} "$RLTOOLS_RUN_DIR"'
+    return " ".join(shlex.quote(str(word)) for word in argv)
 
 
 def job_options(config: RLConfig) -> list[str]:

@@ -5,7 +5,6 @@ weight-sync group; every trainer rank trains (FSDP2 when there are several) and 
 gathering the full weights before rank 0 broadcasts policy version step+1.
 """
 
-import json
 import logging
 import socket
 import time
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from ..config import load_config
 from ..launch.address import publish_address, wait_for_address
 from ..launch.role_env import RoleEnv
+from ..metrics import append_metrics
 from ..paths import RunPaths
 from ..roles import sync_backend, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore
@@ -121,11 +121,6 @@ def host_weight_sync(env: RoleEnv, paths: RunPaths, config):
         options=options,
     )
     return WeightSender(group)
-
-
-def append_metrics(paths: RunPaths, metrics: dict) -> None:
-    with open(paths.metrics, "a") as f:
-        f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
 
 
 def _pad_id(model_path: str) -> int:

@@ -3,11 +3,12 @@
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
 
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+from rltools.launch.slurm import ACTIVE
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +33,7 @@ def demo_run(repo, tmp_path, *overrides, entries=None):
     from rltools.launch.run_dir import prepare_run_dir
     from rltools.launch.sbatch import render_sbatch
 
-    base = ["cluster.launcher=slurm", f"run.dir={tmp_path / 'run'}", "cluster.generators.mem=null", "cluster.trainers.mem=null"]
-    config = load_config(repo / "configs" / "demo.yaml", [*base, *overrides])
+    config = load_config(repo / "configs" / "demo.yaml", slurm_demo_overrides(tmp_path / "run", *overrides)[1::2])
     return prepare_run_dir(config, render_sbatch(config, entries))
 
 
@@ -44,11 +44,10 @@ def sbatch(script) -> str:
 
 
 def job_states(job_id: str) -> dict[str, str]:
-    """State per hetjob component ('123+0' -> 'COMPLETED'), from squeue: no accounting DB here."""
-    result = subprocess.run(
-        ["squeue", "--states=all", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True
-    )
-    return dict(line.split() for line in result.stdout.splitlines() if line.strip())
+    """State per hetjob component ({'generators': 'COMPLETED', ...}), as `rltools status` reads it."""
+    from rltools.launch.slurm import job_state
+
+    return {name: c["state"] for name, c in job_state(job_id)["components"].items()}
 
 
 def wait_for_job(job_id: str, timeout_s: float = 180.0) -> dict[str, str]:
@@ -60,3 +59,15 @@ def wait_for_job(job_id: str, timeout_s: float = 180.0) -> dict[str, str]:
         time.sleep(1.0)
     subprocess.run(["scancel", job_id])
     raise AssertionError(f"job {job_id} still {job_states(job_id)} after {timeout_s:.0f} s (cancelled)")
+
+
+def cli(*argv, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`rltools ARGV...` in a subprocess, as a user types it."""
+    return subprocess.run([sys.executable, "-m", "rltools", *map(str, argv)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def slurm_demo_overrides(run_dir, *overrides) -> list[str]:
+    """--set arguments: the demo config as a Slurm job in run_dir (memory left to the partition)."""
+    base = ["cluster.launcher=slurm", f"run.dir={run_dir}", "cluster.generators.mem=null", "cluster.trainers.mem=null"]
+    return [word for override in [*base, *overrides] for word in ("--set", override)]

@@ -14,8 +14,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def run_light(*argv, cwd):
-    return subprocess.run([sys.executable, "-c", BLOCK_HEAVY, *argv], capture_output=True, text=True, cwd=cwd)
+def run_light(*argv, cwd, env=None):
+    return subprocess.run([sys.executable, "-c", BLOCK_HEAVY, *argv], capture_output=True, text=True, cwd=cwd, env=env)
 
 
 def test_dry_run_imports_no_heavy_package(repo, tmp_path):
@@ -37,11 +37,18 @@ def test_the_blocker_works(tmp_path):
     assert result.returncode != 0 and "heavy import" in result.stderr
 
 
-def test_slurm_submit_says_what_is_missing(repo, tmp_path):
+def test_slurm_submit_without_slurm_says_what_to_do(repo, tmp_path):
+    """The Slurm submit path is login-node light too, and a machine without sbatch gets a clear error."""
     run_dir = tmp_path / "run"
     result = run_light(
         "submit", str(repo / "configs/demo.yaml"), "--set", f"run.dir={run_dir}", "--set", "cluster.launcher=slurm",
-        cwd=tmp_path,
+        cwd=tmp_path, env={"PATH": str(tmp_path)},
     )
+    assert result.returncode == 2, result.stderr
+    assert "sbatch not found" in result.stderr and "cluster.launcher: local" in result.stderr
+
+
+def test_status_of_a_directory_that_is_not_a_run(tmp_path):
+    result = run_light("status", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 2
-    assert "not built yet" in result.stderr and f"sbatch {run_dir}/slurm/job.sbatch" in result.stderr
+    assert "not a run directory" in result.stderr

@@ -168,7 +168,7 @@ def test_hostile_string_never_executes(tmp_path, stub_srun, monkeypatch, capsys,
         return
     log = work / "srun.log"
     env = {**os.environ, "PATH": f"{stub_srun}:{os.environ['PATH']}", "STUB_LOG": str(log)}
-    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")} | {"SLURM_JOB_ID": "4242"}
     result = subprocess.run(["bash", str(script)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert not list(work.rglob("pwned")), f"{key}={payload!r} executed"

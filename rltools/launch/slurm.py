@@ -1,0 +1,197 @@
+"""The Slurm launcher: the RL job as ONE heterogeneous job, submitted through submitit.
+
+What is submitit's, kept as it is: the job folder, the pickled call each task runs
+(`python -u -m submitit.core._submit FOLDER` loads `<job_id>_submitted.pkl` and calls it), the
+per-task result pickles carrying a task's return value or traceback, `Job.result()` and
+`Job.cancel()`, the sbatch call and the parsing of its job id.
+
+What is ours:
+- The script text. submitit's builder writes one sorted option block for a single job; a hetjob
+  needs one block per component separated by `#SBATCH hetjob`. So `_make_submission_file_text`
+  renders templates/sbatch/rl_job.sbatch.j2: the script `rltools render` writes for plain sbatch
+  users, with submitit's command on each srun line.
+- The task count (`_num_tasks`): the trainer component's ranks; trainer rank 0's result is the job's.
+- One submitit folder per component. Both components number their tasks from 0, and submitit names
+  a result after the task number alone; the submitted pickle is linked into the generators' folder.
+- Job state from `squeue --states=all`. submitit's watcher asks `sacct`, which needs an accounting
+  database many clusters (and our local one) lack, and then waits forever. `sacct` is the fall-back
+  for a job squeue has forgotten (MinJobAge), and the job script's exit files the last resort.
+- Signals: submitit's USR2 handler requeues the job from task 0 of any step, which in a hetjob
+  is a generator, with no checkpoint; `jobs.common.run_submitted` hands the signals back to the role.
+"""
+
+import os
+import shlex
+import shutil
+import subprocess
+import time
+
+import submitit
+from submitit.core import core
+
+from ..config.schema import RLConfig
+from ..errors import UserError
+from ..paths import ROLES, RunPaths
+from .plan import GENERATOR_GROUP, TRAINER_GROUP
+from .sbatch import render_sbatch
+
+COMPONENTS = {GENERATOR_GROUP: "generators", TRAINER_GROUP: "trainers"}
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
+                    "REQUEUE_FED", "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING"})
+FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+
+
+def submit_job(config: RLConfig, paths: RunPaths) -> "HetJob":
+    """Submit the run's hetjob; its id is written to the run directory for status/logs/cancel."""
+    if shutil.which("sbatch") is None:
+        raise UserError(
+            "sbatch not found: submit from a Slurm login node, or run on this machine with "
+            "cluster.launcher: local (--set cluster.launcher=local)"
+        )
+    if paths.job_id_file.exists():
+        old = paths.job_id_file.read_text().strip()
+        state = job_state(old)["state"]
+        if state in ACTIVE:
+            raise UserError(
+                f"run directory {paths.root} already has job {old} ({state}): follow it with "
+                f"`rltools status {paths.root}`, stop it with `rltools cancel {paths.root}`, or set another run.dir"
+            )
+    executor = HetJobExecutor(config, paths)
+    from jobs.common import run_submitted
+
+    try:
+        job = executor.submit(run_submitted, str(paths.root))
+    except submitit.core.utils.FailedJobError as err:
+        raise UserError(f"sbatch refused the job: {err}") from None
+    paths.job_id_file.write_text(f"{job.job_id}\n")
+    return job
+
+
+class SqueueWatcher(core.InfoWatcher):
+    """submitit's shared state poller, reading `job_state` instead of sacct."""
+
+    def _make_command(self):  # submitit's hook; `update` below does the querying
+        return None
+
+    def update(self) -> None:
+        for job_id in self._registered - self._finished:
+            info = job_state(job_id)
+            self._info_dict[job_id] = {"State": info["state"]}
+            if info["state"] not in ACTIVE and info["state"] != "UNKNOWN":
+                self._finished.add(job_id)
+        self._num_calls += 1
+        self._last_status_check = time.time()
+
+    def get_state(self, job_id: str, mode: str = "standard") -> str:
+        return self.get_info(job_id, mode=mode).get("State") or "UNKNOWN"
+
+
+class HetJob(submitit.SlurmJob):
+    """A submitit job handle whose state comes from squeue (see the module docstring)."""
+
+    watcher = SqueueWatcher(delay_s=5)
+
+
+class HetJobExecutor(submitit.SlurmExecutor):
+    job_class = HetJob
+
+    def __init__(self, config: RLConfig, paths: RunPaths):
+        self.config, self.paths = config, paths
+        for role in ROLES:
+            paths.submitit_dir(role).mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            folder=paths.submitit_dir("trainer"),
+            max_num_timeout=config.cluster.max_requeues,
+            python=shlex.quote(str(config.cluster.python)),
+        )
+        self.parameters["time"] = minutes(config.cluster.time)  # submitit's preemption-vs-timeout arithmetic
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        python = str(self.config.cluster.python)
+        commands = {  # SUBMITIT_EXECUTOR tells submitit's task side which cluster it runs on
+            role: ["env", "SUBMITIT_EXECUTOR=slurm", python, "-u", "-m", "submitit.core._submit",
+                   str(self.paths.submitit_dir(role))]
+            for role in ROLES
+        }
+        return render_sbatch(self.config, commands=commands)
+
+    def _num_tasks(self) -> int:
+        return self.config.cluster.trainers.ntasks
+
+    def _internal_process_submissions(self, delayed_submissions):
+        jobs = super()._internal_process_submissions(delayed_submissions)
+        for job in jobs:  # the generator tasks read the same call from their own folder
+            pickle = job.paths.submitted_pickle
+            os.link(pickle, self.paths.submitit_dir("generator") / pickle.name)
+        return jobs
+
+
+def job_state(job_id: str) -> dict:
+    """{"state": overall, "components": {name: {"state", "nodes", "reason"}}} of a hetjob, or
+    state UNKNOWN when neither squeue nor sacct knows the job."""
+    components = _squeue(job_id) or _sacct(job_id)
+    if not components:
+        return {"state": "UNKNOWN", "components": {}}
+    return {"state": overall_state([c["state"] for c in components.values()]), "components": components}
+
+
+def overall_state(states: list[str]) -> str:
+    """One word for the job: a failure or cancellation wins, then activity, then completion."""
+    for group in (FAILED, {"CANCELLED"}):
+        found = [s for s in states if s in group]
+        if found:
+            return found[0]
+    for state in ("RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "PENDING"):
+        if state in states:
+            return state
+    return states[0] if len(set(states)) == 1 else "MIXED(" + ",".join(states) + ")"
+
+
+def _squeue(job_id: str) -> dict:
+    out = _run(["squeue", "--states=all", "--noheader", "-j", job_id, "-o", "%i|%T|%N|%r"])
+    return _components(line.split("|") for line in out.splitlines())
+
+
+def _sacct(job_id: str) -> dict:
+    out = _run(["sacct", "--noheader", "--parsable2", "-X", "-j", job_id, "-o", "JobID,State,NodeList,Reason"])
+    return _components(line.split("|") for line in out.splitlines())
+
+
+def _components(rows) -> dict:
+    found = {}
+    for row in rows:
+        if len(row) < 4 or "+" not in row[0]:
+            continue
+        index = int(row[0].split("+")[1])
+        state = row[1].split()[0] if row[1] else "UNKNOWN"  # sacct: "CANCELLED by 0"
+        found[COMPONENTS.get(index, f"component {index}")] = {"state": state, "nodes": row[2], "reason": row[3]}
+    return found
+
+
+def _run(argv: list[str]) -> str:
+    """A Slurm query's stdout; empty when the command fails (unknown job, no accounting database)."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout if result.returncode == 0 else ""
+
+
+def cancel_job(job_id: str) -> None:
+    result = subprocess.run(["scancel", job_id], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UserError(f"scancel {job_id} failed: {result.stderr.strip()}")
+
+
+def minutes(slurm_time: str) -> int:
+    """Slurm's time formats ([D-]HH:MM:SS, MM:SS, MM, D-HH...) in whole minutes, rounded up."""
+    days, _, clock = slurm_time.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:
+        hours, minutes_, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        hours, minutes_, seconds = parts
+    else:
+        hours, (minutes_, seconds) = 0, (parts + [0])[:2]
+    total_s = ((int(days or 0) * 24 + hours) * 60 + minutes_) * 60 + seconds
+    return max(1, -(-total_s // 60))

@@ -1,0 +1,261 @@
+"""Reading a run directory: its state, progress and logs (`rltools status`, `logs`, `cancel`).
+
+Invariant: everything here works from the run directory alone, whether the job was submitted by
+`rltools submit`, by hand with `sbatch` of the rendered script, or ran under the local launcher,
+and it needs no accounting database: Slurm's state comes from `launch.slurm.job_state`, progress
+from metrics.jsonl and eval/, and which component failed from the exit files the job script writes.
+"""
+
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+from .config import load_config
+from .config.schema import RLConfig
+from .errors import UserError
+from .launch.slurm import ACTIVE, job_state
+from .paths import ROLES, RunPaths
+
+COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
+TAIL_LINES = 20
+
+
+def open_run(run_dir: str | Path) -> RunPaths:
+    paths = RunPaths(Path(run_dir).resolve())
+    if not paths.config.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml): pass the run.dir of a submitted run")
+    return paths
+
+
+def run_status(paths: RunPaths) -> dict:
+    """Where a run stands; the keys of `rltools status --json`."""
+    config = load_config(paths.config)
+    job_id = paths.job_id_file.read_text().strip() if paths.job_id_file.exists() else None
+    attempts = paths.attempts()
+    metrics = read_metrics(paths)
+    status = {
+        "run_dir": str(paths.root),
+        "name": config.run.name,
+        "launcher": config.cluster.launcher,
+        "job_id": job_id,
+        "state": "UNKNOWN",
+        "components": {},
+        "restarts": attempts[-1] if attempts else 0,
+        "step": metrics[-1]["step"] + 1 if metrics else 0,
+        "total_steps": config.schedule.steps,
+        "last_metrics": metrics[-1] if metrics else None,
+        "eta_s": _eta(metrics, config.schedule.steps),
+        "eval_k": config.eval.k,
+        "evals": {step: result["avg_at_k"] for step, result in read_evals(paths).items()},
+        "failed_component": None,
+        "log_tail": None,
+    }
+    if job_id:
+        status.update(job_state(job_id))
+    exits = _exit_codes(paths, attempts[-1]) if attempts else {}
+    if status["state"] == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
+        status["state"] = "COMPLETED" if set(exits.values()) == {0} and len(exits) == len(ROLES) else "FAILED"
+    if status["state"] not in ACTIVE and status["state"] != "COMPLETED":
+        failed = [role for role, code in sorted(exits.items(), key=lambda item: _mtime(paths, attempts[-1], item[0]))
+                  if code != 0]
+        if failed:
+            status["failed_component"] = COMPONENT_OF[failed[0]]
+            status["log_tail"] = failing_log_tail(paths, attempts[-1], failed[0])
+    if status["state"] in ACTIVE | {"UNKNOWN"} and status["step"] >= status["total_steps"] and not job_id:
+        status["state"] = "COMPLETED"  # a local run that finished
+    return status
+
+
+def format_status(status: dict) -> str:
+    job = f"job {status['job_id']}" if status["job_id"] else f"{status['launcher']} launcher"
+    lines = [f"{status['name']}  {job}  {status['state']}  restarts {status['restarts']}  ({status['run_dir']})"]
+    for name, component in status["components"].items():
+        where = component["nodes"] or component["reason"]
+        lines.append(f"  {name:<11} {component['state']:<11} {where}")
+    done, total = status["step"], status["total_steps"]
+    bar = ("=" * int(20 * done / total)).ljust(20)
+    line = f"step {done}/{total} [{bar}]"
+    m = status["last_metrics"]
+    if m:
+        line += f" reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} kl {m.get('kl', 0):.4f}"
+    if status["eta_s"] is not None and status["state"] in ACTIVE:
+        line += f" | eta {datetime.timedelta(seconds=round(status['eta_s']))}"
+    lines.append(line)
+    if status["evals"]:
+        lines.append(f"held-out avg@{status['eval_k']}: " + ", ".join(f"step {s} {v:.3f}" for s, v in sorted(status["evals"].items())))
+    if status["failed_component"]:
+        lines.append(f"the {status['failed_component']} component failed first; the end of its log:")
+        lines.append(status["log_tail"])
+    return "\n".join(lines)
+
+
+def read_metrics(paths: RunPaths) -> list[dict]:
+    if not paths.metrics.exists():
+        return []
+    text = paths.metrics.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def read_evals(paths: RunPaths, skip: set[int] = frozenset()) -> dict[int, dict]:
+    """Held-out results by step, oldest first; steps in `skip` are not read again."""
+    found = {}
+    for path in paths.eval_dir.glob("step_*.json") if paths.eval_dir.is_dir() else ():
+        step = int(path.stem.split("_")[1])
+        if step not in skip:
+            found[step] = json.loads(path.read_text())
+    return dict(sorted(found.items()))
+
+
+def _eta(metrics: list[dict], total: int) -> float | None:
+    recent = [m["time"] for m in metrics[-20:] if "time" in m]
+    if len(recent) < 2:
+        return None
+    per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
+    return max(0.0, (total - metrics[-1]["step"] - 1) * per_step)
+
+
+def _exit_codes(paths: RunPaths, attempt: int) -> dict[str, int]:
+    codes = {}
+    for role in ROLES:
+        path = paths.component_exit(attempt, role)
+        if path.exists():
+            codes[role] = int(path.read_text().strip() or 1)
+    return codes
+
+
+def _mtime(paths: RunPaths, attempt: int, role: str) -> float:
+    return paths.component_exit(attempt, role).stat().st_mtime
+
+
+def failing_log_tail(paths: RunPaths, attempt: int, role: str) -> str:
+    """The end of the failed role's task log that shows an error (rank 0's when none does)."""
+    logs = task_logs(paths, attempt, role)
+    if not logs:
+        return f"(no {role} log in {paths.attempt_log_dir(attempt)})"
+    texts = {log: log.read_text(errors="replace") for log in logs}
+    chosen = next((log for log, text in texts.items() if "Traceback" in text or "error" in text.lower()), logs[0])
+    tail = "\n".join(texts[chosen].splitlines()[-TAIL_LINES:])
+    return f"==> {chosen} <==\n{tail}"
+
+
+def task_logs(paths: RunPaths, attempt: int, role: str | None = None, rank: int | None = None) -> list[Path]:
+    roles = [role] if role else list(ROLES)
+    found = []
+    for r in roles:
+        if rank is not None:
+            found.append(paths.task_log(attempt, r, rank))
+        else:
+            found += sorted(paths.attempt_log_dir(attempt).glob(f"{r}_*.log"), key=lambda p: int(p.stem.split("_")[1]))
+    return found
+
+
+def show_logs(paths: RunPaths, role: str | None, rank: int | None, follow: bool, attempt: int | None = None) -> None:
+    """Print the task logs of an attempt (default: the latest), each under a header; with `follow`,
+    keep printing new lines, prefixed by their task, until the job stops or Ctrl-C."""
+    attempts = paths.attempts()
+    if not attempts:
+        raise UserError(f"no logs yet in {paths.log_dir}: the job has not started (check `rltools status {paths.root}`)")
+    attempt = attempts[-1] if attempt is None else attempt
+    logs = task_logs(paths, attempt, role, rank)
+    missing = [log for log in logs if not log.exists()]
+    if rank is not None and missing:
+        raise UserError(f"no log {missing[0]}: is rank {rank} within the {role or 'roles'}' task count?")
+    offsets = {}
+    for log in logs:
+        text = log.read_text(errors="replace")
+        print(f"==> {log} <==\n{text}", end="" if text.endswith("\n") or not text else "\n")
+        offsets[log] = len(text.encode())
+    while follow:
+        time.sleep(1.0)
+        for log in task_logs(paths, attempt, role, rank):
+            offsets.setdefault(log, 0)
+            with open(log, "rb") as f:
+                f.seek(offsets[log])
+                new = f.read()
+            complete = new[: new.rfind(b"\n") + 1]
+            offsets[log] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                print(f"[{log.stem}] {line}", flush=True)
+        if not _still_running(paths, attempt):
+            return
+
+
+def _still_running(paths: RunPaths, attempt: int) -> bool:
+    if paths.job_id_file.exists():
+        return job_state(paths.job_id_file.read_text().strip())["state"] in ACTIVE
+    return len(_exit_codes(paths, attempt)) < len(ROLES)
+
+
+def wait_for_end(paths: RunPaths, timeout_s: float | None = None, progress=None) -> dict:
+    """Poll the run until its job is no longer active; `progress.update()` on each poll."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if progress is not None:
+            progress.update()
+        status = run_status(paths)
+        if status["state"] not in ACTIVE and status["state"] != "UNKNOWN":
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            return status
+        time.sleep(2.0)
+
+
+class Progress:
+    """One line per step (a redrawn bar on a terminal): step, reward, accuracy, tokens/s, timings."""
+
+    def __init__(self, config: RLConfig, paths: RunPaths, quiet: bool = False):
+        self.paths, self.steps, self.k, self.quiet = paths, config.schedule.steps, config.eval.k, quiet
+        self.offset = 0
+        self.evals: dict[int, dict] = {}  # eval results read so far, by step
+        self.tty = sys.stderr.isatty()
+
+    def update(self) -> None:
+        if self.quiet:
+            return
+        lines = []  # (steps done, is an eval, text): an eval after k steps prints right after step k
+        for line in self._new_metrics():
+            m = json.loads(line)
+            done = m["step"] + 1
+            bar = ("=" * int(20 * done / self.steps)).ljust(20)
+            lines.append((done, False, (
+                f"step {done}/{self.steps} [{bar}] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
+                f"kl {m.get('kl', 0):.4f} | {m['gen_tokens_per_s']:.0f} tok/s | gen {m['generation_s']:.2f}s "
+                f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s"
+            )))
+        for step, result in self._new_evals():
+            lines.append((step, True, f"eval after {step} steps: avg@{result['k']} {result['avg_at_k']:.3f} "
+                                      f"(+- {result['stderr']:.3f}, {result['n_problems']} problems)"))
+        for _, is_eval, text in sorted(lines, key=lambda item: item[:2]):
+            if is_eval:
+                print(("\n" if self.tty else "") + text, file=sys.stderr, flush=True)
+            else:
+                print(("\r" + text) if self.tty else text, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.quiet:
+            return
+        evals = self.evals  # complete: run_local calls update() once more before finish()
+        if 0 in evals and self.steps in evals:
+            before, after = evals[0]["avg_at_k"], evals[self.steps]["avg_at_k"]
+            print(f"\nheld-out avg@{self.k}: {before:.3f} before -> {after:.3f} after {self.steps} steps "
+                  f"({100 * (after - before):+.1f} points)", file=sys.stderr)
+        print(f"run directory: {self.paths.root}", file=sys.stderr)
+
+    def _new_metrics(self) -> list[str]:
+        try:
+            with open(self.paths.metrics) as f:
+                f.seek(self.offset)
+                text = f.read()
+        except FileNotFoundError:
+            return []
+        complete = text[: text.rfind("\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(complete)
+        return complete.splitlines()
+
+    def _new_evals(self) -> list[tuple[int, dict]]:
+        """Eval results that appeared since the last poll (each file is read once)."""
+        new = read_evals(self.paths, skip=set(self.evals))
+        self.evals.update(new)
+        return list(new.items())

@@ -1,0 +1,84 @@
+"""`rltools submit` with cluster.launcher: slurm, and the commands that follow a run: status, logs, cancel, plot."""
+
+import json
+import subprocess
+import time
+
+from rltools.launch.slurm import HetJob
+from rltools.paths import RunPaths
+
+from .conftest import cli, slurm_demo_overrides
+
+
+def submit(repo, run_dir, *overrides, wait=True):
+    argv = ["submit", repo / "configs" / "demo.yaml", *slurm_demo_overrides(run_dir, *overrides)]
+    return cli(*argv, "--wait") if wait else cli(*argv)
+
+
+def status(run_dir) -> dict:
+    result = cli("status", run_dir, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_submitted_demo_learns_across_two_nodes(slurm, repo, tmp_path):
+    run_dir = tmp_path / "run"
+    result = submit(repo, run_dir, "schedule.steps=150", "schedule.eval_every=150")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out avg@8:" in result.stderr and "COMPLETED" in result.stderr
+
+    s = status(run_dir)
+    assert (s["state"], s["step"], s["total_steps"], s["restarts"]) == ("COMPLETED", 150, 150, 0)
+    nodes = {name: c["nodes"] for name, c in s["components"].items()}
+    assert set(nodes) == {"generators", "trainers"} and nodes["generators"] != nodes["trainers"], nodes
+    # the same learning signal as the local run (tests/integration/test_local_launcher.py)
+    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(rewards[-50:]) > sum(rewards[:50]), rewards
+    assert s["evals"]["150"] > s["evals"]["0"] + 0.015, s["evals"]
+
+    # submitit's side: each task's return value is pickled in its component's folder
+    job = HetJob(folder=RunPaths(run_dir).submitit_dir("trainer"), job_id=s["job_id"], tasks=[0])
+    assert job.result() == "trainer 0 finished"
+    assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+    logs = cli("logs", run_dir, "--role", "trainer", "--rank", "0")
+    assert logs.returncode == 0 and "admitted generator worker(s) [1]" in logs.stdout, logs.stderr
+    png = tmp_path / "run.png"
+    plotted = cli("plot", run_dir, "-o", png)
+    assert plotted.returncode == 0, plotted.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failing_generator_fails_the_job_fast_and_is_named(slurm, repo, tmp_path):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    # 1 KiB of KV cache cannot hold one sequence: the generator's vLLM engine refuses to start, while the
+    # trainer would wait schedule.rollout_timeout_s (30 min) for its rollouts.
+    result = submit(repo, run_dir, "generator.kv_cache_memory_bytes=1024", "schedule.steps=2")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert elapsed < 120, f"the failed job took {elapsed:.0f} s to end"
+
+    s = status(run_dir)
+    assert s["state"] == "FAILED" and s["failed_component"] == "generators", s
+    assert "generator_0.log" in s["log_tail"] and "Error" in s["log_tail"], s["log_tail"]
+    assert "the generators component failed first" in cli("status", run_dir).stdout
+    assert (run_dir / "slurm/logs/attempt_0/trainer.exit").read_text().strip() != "0"  # stopped, not waiting
+
+
+def test_cancel_stops_every_process_of_the_job(slurm, repo, tmp_path):
+    run_dir = tmp_path / "run"
+    result = submit(repo, run_dir, "schedule.steps=5000", wait=False)
+    assert result.returncode == 0, result.stderr
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists():  # mid-run: training has started
+        assert time.monotonic() < deadline, status(run_dir)
+        time.sleep(0.5)
+
+    cancelled = cli("cancel", run_dir)
+    assert cancelled.returncode == 0 and "CANCELLED" in cancelled.stdout, (cancelled.stdout, cancelled.stderr)
+    assert status(run_dir)["state"] == "CANCELLED"
+    deadline = time.monotonic() + 30
+    while (alive := subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout.strip()):
+        assert time.monotonic() < deadline, f"processes of the cancelled job remain:\n{alive}"
+        time.sleep(0.5)
