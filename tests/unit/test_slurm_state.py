@@ -1,0 +1,71 @@
+"""Reading a job's state without accounting, and a run's status from its directory alone."""
+
+import json
+import os
+
+import pytest
+
+from rltools.config import load_config
+from rltools.launch.run_dir import prepare_run_dir
+from rltools.launch.sbatch import render_sbatch
+from rltools.launch.slurm import _components, minutes, overall_state
+from rltools.monitor import format_status, run_status
+
+
+@pytest.mark.parametrize("text,expected", [("30", 30), ("00:30:00", 30), ("1:00:01", 61), ("2-00:00:00", 2880),
+                                           ("1-2", 1560), ("90:30", 91), ("0:10", 1)])
+def test_slurm_time_formats_in_minutes(text, expected):
+    assert minutes(text) == expected
+
+
+def test_hetjob_rows_become_named_components():
+    rows = [["77+0", "RUNNING", "n1", "None"], ["77+1", "CANCELLED by 0", "n2", "None"], ["77.batch", "x", "", ""]]
+    assert _components(rows) == {
+        "generators": {"state": "RUNNING", "nodes": "n1", "reason": "None"},
+        "trainers": {"state": "CANCELLED", "nodes": "n2", "reason": "None"},
+    }
+
+
+@pytest.mark.parametrize("states,expected", [
+    (["RUNNING", "RUNNING"], "RUNNING"),
+    (["COMPLETED", "COMPLETED"], "COMPLETED"),
+    (["COMPLETED", "FAILED"], "FAILED"),
+    (["CANCELLED", "RUNNING"], "CANCELLED"),
+    (["PENDING", "PENDING"], "PENDING"),
+    (["TIMEOUT", "CANCELLED"], "TIMEOUT"),
+])
+def test_one_word_for_the_job(states, expected):
+    assert overall_state(states) == expected
+
+
+def make_run(repo, tmp_path, *overrides):
+    config = load_config(repo / "configs" / "demo.yaml", [f"run.dir={tmp_path / 'run'}", *overrides])
+    return prepare_run_dir(config, render_sbatch(config))
+
+
+def test_status_after_the_job_left_the_queue_names_the_component_that_failed_first(repo, tmp_path):
+    paths = make_run(repo, tmp_path, "cluster.launcher=slurm")
+    paths.job_id_file.write_text("999999\n")  # long gone: squeue and sacct do not know it
+    attempt = paths.attempt_log_dir(1)
+    attempt.mkdir(parents=True)
+    paths.task_log(1, "generator", 0).write_text("loading\nTraceback (most recent call last):\nValueError: boom\n")
+    paths.task_log(1, "trainer", 0).write_text("waiting for rollouts\n")
+    paths.component_exit(1, "generator").write_text("1\n")
+    paths.component_exit(1, "trainer").write_text("143\n")
+    os.utime(paths.component_exit(1, "generator"), (1000, 1000))  # the generator ended first
+    os.utime(paths.component_exit(1, "trainer"), (2000, 2000))
+    paths.metrics.write_text(json.dumps({"step": 0, "reward_mean": 0.5, "accuracy": 0.5, "time": 1.0}) + "\n")
+
+    status = run_status(paths)
+    assert (status["state"], status["restarts"], status["step"], status["job_id"]) == ("FAILED", 1, 1, "999999")
+    assert status["failed_component"] == "generators"
+    assert "ValueError: boom" in status["log_tail"] and "generator_0.log" in status["log_tail"]
+    assert "the generators component failed first" in format_status(status)
+
+
+def test_status_of_a_completed_local_run(repo, tmp_path):
+    paths = make_run(repo, tmp_path, "schedule.steps=2")
+    lines = [{"step": s, "reward_mean": 0.1, "accuracy": 0.1, "time": 10.0 + s} for s in range(2)]
+    paths.metrics.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    status = run_status(paths)
+    assert (status["state"], status["step"], status["total_steps"], status["job_id"]) == ("COMPLETED", 2, 2, None)
