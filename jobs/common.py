@@ -27,11 +27,10 @@ def run_role(role: str, argv: list[str]) -> int:
             from rltools.generate.loop import run_generator as loop
         else:
             from rltools.train.loop import run_trainer as loop
-        loop(argv[0])
+        return loop(argv[0]) or 0  # the trainer returns 3 when it stopped at a checkpoint on a signal
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    return 0
 
 
 class RoleFailed(RuntimeError):
@@ -41,6 +40,7 @@ class RoleFailed(RuntimeError):
 def run_submitted(run_dir: str) -> str:
     """The task body under the submitit executor: run this task's role (srun sets RLTOOLS_ROLE)."""
     from rltools.launch.role_env import RoleEnv
+    from rltools.preempt import EXIT_STOPPED
 
     # submitit's handlers would make SIGTERM a no-op (scancel then waits out KillWait) and requeue
     # the job from generator task 0 on the preemption signal, with no checkpoint: Slurm's default
@@ -50,6 +50,8 @@ def run_submitted(run_dir: str) -> str:
     logging.getLogger("submitit").propagate = False  # it has its own handler: no doubled lines
     env = RoleEnv.from_environ()
     code = run_role(env.role, [run_dir])
+    if code == EXIT_STOPPED:  # not an error: stopped at a checkpoint; the job script records the code
+        raise SystemExit(code)
     if code:
         raise RoleFailed(f"{env.role} {env.rank} exited with code {code}; see its log in {run_dir}/slurm/logs")
     return f"{env.role} {env.rank} finished"

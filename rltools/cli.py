@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.set_defaults(func=cmd_submit)
 
+    resume = commands.add_parser("resume", help="continue a stopped or failed run from its latest checkpoint")
+    resume.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
+    resume.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="cluster.KEY=VALUE",
+        help="change where or how long the job runs, e.g. --set cluster.time=04:00:00 (cluster keys only)",
+    )
+    resume.add_argument("--wait", action="store_true", help="Slurm: follow the job until it ends")
+    resume.set_defaults(func=cmd_resume)
+
     status = commands.add_parser("status", help="state, progress, ETA and failures of a run")
     status.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
     status.add_argument("--json", action="store_true", help="print one JSON object")
@@ -101,22 +110,43 @@ def cmd_submit(args) -> int:
         print(describe(config, plan(config)), file=sys.stderr)
         sys.stdout.write(script)
         return 0
-    paths = prepare_run_dir(config, script)
+    return launch(config, prepare_run_dir(config, script), args.wait)
+
+
+def cmd_resume(args) -> int:
+    from .monitor import open_run
+
+    paths = open_run(args.run_dir)
+    others = [o for o in args.overrides if not o.startswith("cluster.")]
+    if others:
+        raise UserError(f"resume can change cluster.* keys only, not {others}: the other keys made the run's "
+                        "checkpoints and rollouts; start a new run (another run.dir) to change them")
+    config = load_config(paths.config, args.overrides)
+    done = paths.latest_checkpoint()
+    if done >= config.schedule.steps:
+        print(f"{paths.root} is complete: its checkpoint holds all {done} steps", file=sys.stderr)
+        return 0
+    print(f"resuming {paths.root} after {done} of {config.schedule.steps} steps" if done else
+          f"no checkpoint in {paths.root}: starting from step 0", file=sys.stderr)
+    return launch(config, prepare_run_dir(config, render_sbatch(config), may_change=("cluster",)), args.wait)
+
+
+def launch(config, paths, wait: bool) -> int:
+    """Run the job of a prepared run directory with its launcher (its trainers resume from the
+    latest checkpoint there, if any)."""
+    print(describe(config, plan(config)), file=sys.stderr)
     if config.cluster.launcher == "local":
         from .launch.local import run_local
 
-        print(describe(config, plan(config)), file=sys.stderr)
         return run_local(config, paths)
     from .launch.slurm import submit_job
 
     job = submit_job(config, paths)
-    print(describe(config, plan(config)), file=sys.stderr)
     print(f"submitted job {job.job_id}; follow it with: rltools status {paths.root}  |  rltools logs {paths.root} -f",
           file=sys.stderr)
-    if not args.wait:
+    if not wait:
         return 0
-    from .launch.local import Progress
-    from .monitor import format_status, wait_for_end
+    from .monitor import Progress, format_status, wait_for_end
 
     progress = Progress(config, paths)
     status = wait_for_end(paths, progress=progress)

@@ -6,10 +6,29 @@ the training metrics, generator rank 0 the evaluations, each to its own event fi
 """
 
 import json
+import os
 
 from .paths import RunPaths
 
 _writers: dict[str, object] = {}
+
+
+def resume_metrics(paths: RunPaths, steps_done: int) -> None:
+    """A resume from the checkpoint after `steps_done` steps: forget what later steps recorded, so
+    each step appears exactly once in metrics.jsonl (and TensorBoard) across restarts."""
+    if paths.metrics.exists():
+        kept = [line for line in paths.metrics.read_text().splitlines(keepends=True)
+                if line.endswith("\n") and json.loads(line)["step"] < steps_done]
+        tmp = paths.metrics.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, paths.metrics)
+    for step in [s for s in _eval_steps(paths) if s > steps_done]:
+        paths.eval_result(step).unlink()
+    _writer(paths, purge_step=steps_done + 1)
+
+
+def _eval_steps(paths: RunPaths) -> list[int]:
+    return [int(p.stem.split("_")[1]) for p in paths.eval_dir.glob("step_*.json")] if paths.eval_dir.is_dir() else []
 
 
 def append_metrics(paths: RunPaths, metrics: dict) -> None:
@@ -29,10 +48,11 @@ def write_scalars(paths: RunPaths, steps_done: int, scalars: dict, prefix: str) 
     writer.flush()
 
 
-def _writer(paths: RunPaths):
+def _writer(paths: RunPaths, purge_step: int | None = None):
+    """This process's event-file writer; `purge_step` hides older events at or after that step."""
     key = str(paths.tensorboard)
     if key not in _writers:
         from tensorboardX import SummaryWriter
 
-        _writers[key] = SummaryWriter(logdir=key)
+        _writers[key] = SummaryWriter(logdir=key, purge_step=purge_step)
     return _writers[key]

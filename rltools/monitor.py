@@ -17,6 +17,7 @@ from .config.schema import RLConfig
 from .errors import UserError
 from .launch.slurm import ACTIVE, job_state
 from .paths import ROLES, RunPaths
+from .preempt import EXIT_STOPPED
 
 COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
 TAIL_LINES = 20
@@ -49,6 +50,7 @@ def run_status(paths: RunPaths) -> dict:
         "eta_s": _eta(metrics, config.schedule.steps),
         "eval_k": config.eval.k,
         "evals": {step: result["avg_at_k"] for step, result in read_evals(paths).items()},
+        "checkpoint": paths.latest_checkpoint(),
         "failed_component": None,
         "log_tail": None,
     }
@@ -57,7 +59,9 @@ def run_status(paths: RunPaths) -> dict:
     exits = _exit_codes(paths, attempts[-1]) if attempts else {}
     if status["state"] == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
         status["state"] = "COMPLETED" if set(exits.values()) == {0} and len(exits) == len(ROLES) else "FAILED"
-    if status["state"] not in ACTIVE and status["state"] != "COMPLETED":
+    if status["state"] not in ACTIVE and exits.get("trainer") == EXIT_STOPPED:
+        status["state"] = "STOPPED"  # on a signal, at a checkpoint: resumable
+    if status["state"] not in ACTIVE and status["state"] not in ("COMPLETED", "STOPPED"):
         failed = [role for role, code in sorted(exits.items(), key=lambda item: _mtime(paths, attempts[-1], item[0]))
                   if code != 0]
         if failed:
@@ -83,6 +87,10 @@ def format_status(status: dict) -> str:
     if status["eta_s"] is not None and status["state"] in ACTIVE:
         line += f" | eta {datetime.timedelta(seconds=round(status['eta_s']))}"
     lines.append(line)
+    if status["checkpoint"]:
+        lines.append(f"checkpoint after {status['checkpoint']} steps")
+    if status["state"] not in ACTIVE | {"UNKNOWN", "COMPLETED"}:
+        lines.append(f"continue with: rltools resume {status['run_dir']}")
     if status["evals"]:
         lines.append(f"held-out avg@{status['eval_k']}: " + ", ".join(f"step {s} {v:.3f}" for s, v in sorted(status["evals"].items())))
     if status["failed_component"]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 ROLES = ("generator", "trainer")
 _SHARD_NAME = re.compile(r"gen_(\d+)\.h5")
+CHECKPOINT_MARKER = "COMPLETE"
+"""Written last into a checkpoint directory: without it the directory is debris of a crashed save."""
 _STEP_NAME = re.compile(r"step_(\d+)")
 _ATTEMPT_NAME = re.compile(r"attempt_(\d+)")
 
@@ -104,16 +106,31 @@ class RunPaths:
 
     def rollout_steps(self) -> dict[int, Path]:
         """Existing step directories by step number."""
-        found = {}
-        for entry in self._entries(self.rollouts):
-            match = _STEP_NAME.fullmatch(entry.name)
-            if match:
-                found[int(match.group(1))] = entry
-        return found
+        return self._steps_in(self.rollouts)
 
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """The trainer's state after `step` optimizer steps; valid only with its completion marker."""
+        return self.checkpoints / f"step_{step}"
+
+    def checkpoint_tmp(self, step: int) -> Path:
+        """Where a checkpoint is written before the rename that publishes it."""
+        return self.checkpoints / f".step_{step}.tmp"
+
+    def checkpoint_steps(self) -> dict[int, Path]:
+        """Published checkpoint directories by step (valid or not: see rltools/checkpoint.py)."""
+        return self._steps_in(self.checkpoints)
+
+    def valid_checkpoints(self) -> dict[int, Path]:
+        """Checkpoints that hold their completion marker, by step, oldest first (found by scanning)."""
+        return {k: d for k, d in sorted(self.checkpoint_steps().items()) if (d / CHECKPOINT_MARKER).is_file()}
+
+    def latest_checkpoint(self) -> int:
+        """Steps done by the latest valid checkpoint; 0 when there is none (a fresh start)."""
+        return max(self.valid_checkpoints(), default=0)
 
     @property
     def weights(self) -> Path:
@@ -149,6 +166,11 @@ class RunPaths:
     def selfcheck_address(self) -> Path:
         """Where trainer rank 0 of the cluster self-check publishes host:port."""
         return self.slurm_dir / "selfcheck_address.json"
+
+    @classmethod
+    def _steps_in(cls, directory: Path) -> dict[int, Path]:
+        matches = ((_STEP_NAME.fullmatch(entry.name), entry) for entry in cls._entries(directory))
+        return {int(match.group(1)): entry for match, entry in matches if match}
 
     @staticmethod
     def _entries(directory: Path) -> list[Path]:

@@ -18,6 +18,7 @@ from ..eval.metrics import summarize
 from ..metrics import write_scalars
 from ..launch.role_env import RoleEnv
 from ..paths import RunPaths
+from ..preempt import generator_signals
 from ..roles import group_id, prompt_share, sync_backend, sync_rank_base, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore, Sample
 from .vllm_engine import VLLMEngine, request_seed
@@ -29,6 +30,7 @@ def run_generator(run_dir: str) -> None:
     env = RoleEnv.from_environ()
     paths = RunPaths(run_dir)
     config = load_config(paths.config)
+    generator_signals(config.cluster.preempt_signal)
     task = make_task(config.data, config.reward, config.run.seed)
     engine = VLLMEngine(config.model, config.generator, config.run.seed, config.lora)
     engine.join_weight_sync(
@@ -36,12 +38,21 @@ def run_generator(run_dir: str) -> None:
     )
     store = RolloutStore(paths, paths.read_run_id())
     schedule = config.schedule
-    version = 0
-    if env.rank == 0:
-        evaluate(engine, task, config, paths, version)
-    for step in range(schedule.steps):
+    # Joined: trainer rank 0 has resumed (checkpoint loaded, unusable shards deleted) before hosting.
+    start = paths.latest_checkpoint()
+    if start:
+        version, seconds = engine.receive_weights(paths, start)  # the checkpoint's policy, before any sampling
+        log.info("resumed at step %d: policy version %d loaded in %.3f s", start, version, seconds)
+    else:
+        version = 0
+        if env.rank == 0:
+            evaluate(engine, task, config, paths, version)
+    for step in range(start, schedule.steps):
         while step - version > schedule.max_staleness:
             version = receive(engine, task, config, paths, env, version)
+        if paths.rollout_shard(step, env.rank).exists():
+            log.info("step %d: shard kept from before the restart", step)
+            continue
         problems = task.train_problems(step, schedule.prompts_per_step)
         share = list(prompt_share(config, env.rank))
         start = time.perf_counter()

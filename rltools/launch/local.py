@@ -20,7 +20,8 @@ from .role_env import RoleEnv
 STOP_GRACE_S = 10.0
 
 
-def run_local(config: RLConfig, paths: RunPaths, attempt: int = 0, quiet: bool = False) -> int:
+def run_local(config: RLConfig, paths: RunPaths, quiet: bool = False) -> int:
+    attempt = len(paths.attempts())  # 0 for a fresh run, +1 for each resume (as the Slurm script counts)
     children = start_children(config, paths, attempt)
     progress = Progress(config, paths, quiet)
     try:
@@ -41,6 +42,9 @@ def run_local(config: RLConfig, paths: RunPaths, attempt: int = 0, quiet: bool =
     except KeyboardInterrupt:
         print("\ninterrupted: stopping generator and trainer processes", file=sys.stderr)
         stop(children)
+        if paths.latest_checkpoint():
+            print(f"checkpoint after {paths.latest_checkpoint()} steps; continue with: rltools resume {paths.root}",
+                  file=sys.stderr)
         return 130
 
 

@@ -64,8 +64,8 @@ def render_sbatch(
         ],
         environment=sorted(config.cluster.environment.items()),
         setup=config.cluster.setup,
-        # Expanded by the shell at run time: each requeue writes its own directory.
-        attempt_log_dir=paths.relative(paths.attempt_log_dir("${SLURM_RESTART_COUNT:-0}")),
+        log_root=paths.relative(paths.log_dir),
+        attempt_log_dir=paths.relative(paths.attempt_log_dir("$attempt")),  # the script numbers its starts
         job_id_file=paths.relative(paths.job_id_file),
     )
 

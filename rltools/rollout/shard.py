@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 import xxhash
 
+from ..durable import fsync_path
 from .batch import RolloutBatch
 
 SCHEMA_VERSION = 1
@@ -49,12 +50,18 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
                 data, offsets = _pack_texts(batch.texts)
                 for name, array in ((TEXT_BYTES, data), (TEXT_OFFSETS, offsets)):
                     f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
-        _fsync(path.parent)  # make the rename itself durable
+        fsync_path(path.parent)  # make the rename itself durable
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def shard_policy_version(path: Path) -> int:
+    """The policy version a shard was generated with (its attributes only, not its data)."""
+    with h5py.File(path, "r") as f:
+        return int(f.attrs["policy_version"])
 
 
 def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch:
@@ -117,11 +124,3 @@ def _read_checked(path: Path, f: h5py.File, name: str) -> np.ndarray:
 
 def _checksum(array: np.ndarray) -> np.uint64:
     return np.uint64(xxhash.xxh3_64_intdigest(np.ascontiguousarray(array)))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

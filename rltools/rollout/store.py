@@ -14,7 +14,7 @@ from typing import Sequence
 
 from ..paths import RunPaths
 from .batch import RolloutBatch
-from .shard import read_shard, write_shard
+from .shard import read_shard, shard_policy_version, write_shard
 
 FIRST_POLL_S = 0.02
 MAX_POLL_S = 2.0
@@ -48,11 +48,15 @@ class RolloutStore:
             return set()
         return {rank for rank in map(RunPaths.shard_rank, names) if rank is not None}
 
-    def wait(self, step: int, ranks: Sequence[int], timeout_s: float) -> list[RolloutBatch]:
-        """The shards of `step` from `ranks`, in rank order, once all exist; RolloutTimeout otherwise."""
+    def wait(self, step: int, ranks: Sequence[int], timeout_s: float, check=None) -> list[RolloutBatch]:
+        """The shards of `step` from `ranks`, in rank order, once all exist; RolloutTimeout otherwise.
+
+        `check()` runs on every poll and may raise to abandon the wait (a stop signal)."""
         deadline = time.monotonic() + timeout_s
         poll = FIRST_POLL_S
         while True:
+            if check is not None:
+                check()
             missing = sorted(set(ranks) - self.ready_ranks(step))
             if not missing:
                 return [self.read(step, rank) for rank in ranks]
@@ -66,6 +70,29 @@ class RolloutStore:
 
     def read(self, step: int, rank: int) -> RolloutBatch:
         return read_shard(self.paths.rollout_shard(step, rank), run_id=self.run_id, step=step, rank=rank)
+
+    # -- resume -----------------------------------------------------------------------------
+    def discard_unusable(self, resumed_at: int, max_staleness: int) -> list[Path]:
+        """Before a resume from the checkpoint of step `resumed_at`: delete the shards of later steps
+        that the resumed run may not train on, and return them.
+
+        Step k's shard of policy version v is kept only if v is a version the resumed run has (v <=
+        resumed_at; later versions came from training that the checkpoint does not contain) and
+        within the staleness bound (k - v <= max_staleness). Kept shards are not generated again.
+        """
+        discarded = []
+        for step, directory in sorted(self.paths.rollout_steps().items()):
+            if step < resumed_at:
+                continue  # trained on before the checkpoint; retention deletes them
+            for shard in sorted(directory.iterdir()):
+                if RunPaths.shard_rank(shard.name) is None:
+                    shard.unlink()  # a temporary left by a writer that was killed
+                    continue
+                version = shard_policy_version(shard)
+                if not (step - max_staleness <= version <= resumed_at):
+                    shard.unlink()
+                    discarded.append(shard)
+        return discarded
 
     # -- retention --------------------------------------------------------------------------
     def prune(self, consumed_through: int, checkpointed_through: int) -> list[int]:

@@ -15,21 +15,27 @@ import torch.distributed as dist
 
 from ..config import load_config
 from ..launch.address import publish_address, wait_for_address
+from .. import checkpoint
 from ..launch.role_env import RoleEnv
-from ..metrics import append_metrics
+from ..metrics import append_metrics, resume_metrics
+from ..preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..paths import RunPaths
 from ..roles import sync_backend, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore
+from ..weight_sync import WeightSyncError
 from .model import export_adapter, export_weights, load_policy, shard_model
 from .trainer import Trainer
 
 log = logging.getLogger("rltools.trainer")
 
 
-def run_trainer(run_dir: str) -> None:
+def run_trainer(run_dir: str) -> int:
+    """Train from the latest checkpoint (or the start) to schedule.steps; returns the exit code:
+    0 when done, EXIT_STOPPED after a stop signal (with a checkpoint of the steps done)."""
     env = RoleEnv.from_environ()
     paths = RunPaths(run_dir)
     config = load_config(paths.config)
+    stop = StopFlag(config.cluster.preempt_signal)
     torch.manual_seed(config.run.seed)
     device = torch.device(f"cuda:{env.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     init_trainer_group(env, paths, timeout_s=config.generator.sync_timeout_s)
@@ -47,49 +53,140 @@ def run_trainer(run_dir: str) -> None:
         world_size=env.world_size,
         temperature=config.generator.temperature,
     )
-    sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
     store = RolloutStore(paths, paths.read_run_id(), keep_steps=config.schedule.keep_rollout_steps)
-    generator_ranks = list(range(config.cluster.generators.ntasks))
+    start = resume(env, paths, config, model, trainer.optimizer, store)
+    # after resume(): generators join only now, so they never see shards or checkpoints in flux
+    sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
     lora_scale = config.lora.alpha / config.lora.rank if config.lora.enabled else None
-    for step in range(config.schedule.steps):
-        start = time.perf_counter()
-        batch = RolloutBatch.concat(store.wait(step, generator_ranks, config.schedule.rollout_timeout_s))
-        staleness = step - batch.policy_version
-        if not 0 <= staleness <= config.schedule.max_staleness:
-            raise RuntimeError(
-                f"step {step}: rollouts of policy version {batch.policy_version} exceed schedule.max_staleness "
-                f"{config.schedule.max_staleness}"
-            )
-        waited = time.perf_counter() - start
-        metrics = trainer.step(batch)
-        trained = time.perf_counter() - start - waited
-        kind = config.generator.weight_sync
-        # collective: every trainer rank iterates
+    kind = config.generator.weight_sync
+
+    def send(version: int) -> None:  # collective: every trainer rank takes part in the export
         weights = export_adapter(model) if kind == "lora" else export_weights(model, lora_scale)
-        if sender is not None:
-            sender.broadcast(weights, version=step + 1, kind=kind)
-        else:
+        if sender is None:
             for _ in weights:
                 pass
-        synced = time.perf_counter() - start - waited - trained
-        if env.rank == 0:
-            tokens = int(batch.completion_offsets[-1])
-            metrics.update(
-                step=step,
-                staleness=staleness,
-                samples=len(batch),
-                generated_tokens=tokens,
-                gen_tokens_per_s=tokens / batch.generation_seconds if batch.generation_seconds else 0.0,
-                generation_s=batch.generation_seconds,
-                wait_s=waited,
-                training_s=trained,
-                sync_s=synced,
-                time=time.time(),
-            )
-            append_metrics(paths, metrics)
-        store.prune(consumed_through=step, checkpointed_through=-1)  # no checkpoints yet: keep every step
-    if dist.is_initialized():
-        dist.destroy_process_group()
+            return
+        try:
+            sender.broadcast(weights, version=version, kind=kind)
+        except WeightSyncError:
+            if not stop.requested:
+                raise
+            # SIGTERM reached the generators too and they left mid-broadcast; the checkpoint about to
+            # be written holds this version, and they receive it from there when the run resumes.
+            log.warning("generators left during the broadcast of version %d: stopping", version)
+            for _ in weights:  # finish the export: under FSDP2 it is a collective of the trainers
+                pass
+
+    if start:
+        send(start)  # generators take the checkpoint's weights before generating anything
+    generator_ranks = list(range(config.cluster.generators.ntasks))
+    done = start
+    try:
+        for step in range(start, config.schedule.steps):
+            begin = time.perf_counter()
+            batch = wait_for_rollouts(env, store, step, generator_ranks, config.schedule.rollout_timeout_s, stop)
+            staleness = step - batch.policy_version
+            if not 0 <= staleness <= config.schedule.max_staleness:
+                raise RuntimeError(
+                    f"step {step}: rollouts of policy version {batch.policy_version} exceed schedule.max_staleness "
+                    f"{config.schedule.max_staleness}"
+                )
+            waited = time.perf_counter() - begin
+            metrics = trainer.step(batch)
+            trained = time.perf_counter() - begin - waited
+            send(step + 1)
+            synced = time.perf_counter() - begin - waited - trained
+            done = step + 1
+            if env.rank == 0:
+                tokens = int(batch.completion_offsets[-1])
+                metrics.update(
+                    step=step,
+                    staleness=staleness,
+                    samples=len(batch),
+                    generated_tokens=tokens,
+                    gen_tokens_per_s=tokens / batch.generation_seconds if batch.generation_seconds else 0.0,
+                    generation_s=batch.generation_seconds,
+                    wait_s=waited,
+                    training_s=trained,
+                    sync_s=synced,
+                    time=time.time(),
+                )
+                append_metrics(paths, metrics)
+            if done % config.schedule.checkpoint_every == 0 or done == config.schedule.steps:
+                checkpoint.save(paths, done, model, trainer.optimizer, rank=env.rank, keep=config.schedule.keep_checkpoints)
+            store.prune(consumed_through=step, checkpointed_through=paths.latest_checkpoint() - 1)
+    except Stopped as signal_name:
+        return stop_at_checkpoint(env, paths, config, model, trainer, done, str(signal_name), stop.is_warning)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def resume(env: RoleEnv, paths: RunPaths, config, model, optimizer, store: RolloutStore) -> int:
+    """Load the latest valid checkpoint, if any; returns the steps it holds (0: a fresh start).
+
+    Trainer rank 0 first deletes what a crash left behind: unfinished checkpoints, the metrics and
+    evaluations of steps the checkpoint does not contain, and shards the resumed run may not use."""
+    if env.rank == 0:
+        for debris in checkpoint.clean_incomplete(paths):
+            log.warning("deleted %s: an interrupted checkpoint", debris)
+    checkpoint.barrier()
+    start = paths.latest_checkpoint()
+    if start:
+        checkpoint.load(paths, start, model, optimizer, rank=env.rank)
+        log.info("resumed from %s: %d of %d steps done", paths.checkpoint_dir(start), start, config.schedule.steps)
+    if env.rank == 0:
+        resume_metrics(paths, start)
+        discarded = store.discard_unusable(start, config.schedule.max_staleness)
+        if discarded:
+            log.info("discarded %d rollout shard(s) of policy versions the resumed run does not have", len(discarded))
+    checkpoint.barrier()
+    return start
+
+
+def wait_for_rollouts(env: RoleEnv, store: RolloutStore, step: int, ranks, timeout_s: float, stop: StopFlag):
+    """Step `step`'s rollouts, or Stopped on every trainer rank when a stop signal arrived.
+
+    Trainer rank 0 alone waits (and gives up the wait on a signal); then all ranks agree in one
+    collective whether to stop, so they stop at the same step even if the signal reached them apart."""
+    batches = None
+    if env.rank == 0:
+        try:
+            batches = store.wait(step, ranks, timeout_s, check=stop.check)
+        except Stopped:
+            pass
+    _agree_to_stop(stop, env)
+    return RolloutBatch.concat(batches if batches is not None else store.wait(step, ranks, timeout_s))
+
+
+def _agree_to_stop(stop: StopFlag, env: RoleEnv) -> None:
+    """Raise Stopped when any trainer rank got a stop signal (all ranks then stop at the same step)."""
+    requested = stop.requested
+    if env.world_size > 1:  # collective
+        flag = torch.tensor([1 if requested else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        requested = bool(flag.item())
+    if requested:
+        raise Stopped(stop.received or "a peer's signal")
+
+
+def stop_at_checkpoint(env, paths: RunPaths, config, model, trainer, done: int, signal_name: str, warning: bool) -> int:
+    """The end of a stopped run: checkpoint the steps done, requeue after the warning signal."""
+    if paths.latest_checkpoint() < done:
+        checkpoint.save(paths, done, model, trainer.optimizer, rank=env.rank, keep=config.schedule.keep_checkpoints)
+    log.warning("stopped on %s after %d of %d steps; checkpoint %s", signal_name, done, config.schedule.steps,
+                paths.checkpoint_dir(done))
+    cluster = config.cluster
+    if env.rank == 0 and warning and env.launcher == "slurm" and cluster.requeue:
+        if env.restart_count < cluster.max_requeues:
+            requeue(env.job_id)
+        else:
+            log.error("not requeued: the job restarted %d times already (cluster.max_requeues); resume it with "
+                      "`rltools resume %s`", env.restart_count, paths.root)
+    elif env.rank == 0:
+        log.warning("resume with `rltools resume %s`", paths.root)
+    return EXIT_STOPPED
 
 
 def init_trainer_group(env: RoleEnv, paths: RunPaths, timeout_s: float) -> None:

@@ -193,3 +193,22 @@ def test_prune_keeps_unconsumed_and_uncheckpointed_steps(store):
     assert sorted(store.paths.rollout_steps()) == [4, 5, 6, 7, 8, 9]
     assert store.prune(consumed_through=3, checkpointed_through=9) == []
     assert store.prune(consumed_through=9, checkpointed_through=9) == [4, 5, 6, 7]
+
+
+def test_a_resume_keeps_only_shards_of_versions_the_checkpoint_has(store):
+    """Resuming from the checkpoint after 10 steps with max_staleness 1: step k's shard of version v
+    stays only if k - 1 <= v <= 10 (later versions were trained on by steps the checkpoint lacks)."""
+    rng = np.random.default_rng(0)
+    shards = {(9, 0, 8): True,    # before the checkpoint: already trained on, left to retention
+              (10, 0, 9): True, (10, 1, 10): True, (11, 0, 10): True,
+              (11, 1, 11): False, (12, 0, 11): False, (12, 1, 9): False}
+    for (step, rank, version), _ in shards.items():
+        store.write(step, rank, random_batch(rng, version=version))
+    stray = store.paths.rollout_step(12) / ".gen_3.h5.1234.tmp"
+    stray.write_bytes(b"half a shard")
+
+    discarded = store.discard_unusable(resumed_at=10, max_staleness=1)
+    assert sorted((int(p.parent.name[5:]), RunPaths.shard_rank(p.name)) for p in discarded) == [(11, 1), (12, 0), (12, 1)]
+    for (step, rank, _), kept in shards.items():
+        assert store.paths.rollout_shard(step, rank).exists() == kept
+    assert not stray.exists()

@@ -69,3 +69,18 @@ def test_status_of_a_completed_local_run(repo, tmp_path):
     paths.metrics.write_text("".join(json.dumps(m) + "\n" for m in lines))
     status = run_status(paths)
     assert (status["state"], status["step"], status["total_steps"], status["job_id"]) == ("COMPLETED", 2, 2, None)
+
+
+def test_a_resume_forgets_what_steps_after_the_checkpoint_recorded(repo, tmp_path):
+    from rltools.metrics import resume_metrics
+
+    paths = make_run(repo, tmp_path)
+    paths.metrics.write_text("".join(json.dumps({"step": s, "reward_mean": 0.1}) + "\n" for s in range(7))
+                             + '{"step": 7, "rew')  # a line cut by the crash
+    paths.eval_dir.mkdir()
+    for step in (0, 5, 6):
+        paths.eval_result(step).write_text("{}")
+    resume_metrics(paths, steps_done=5)
+    assert [json.loads(line)["step"] for line in paths.metrics.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in paths.eval_dir.iterdir()) == ["step_0.json", "step_5.json"]
+    assert list(paths.tensorboard.glob("events.out.tfevents.*"))  # reopened with the later steps purged

@@ -1,0 +1,134 @@
+"""Checkpoints: the trainer's state after k optimizer steps, in `checkpoints/step_<k>/`.
+
+Invariants:
+- A crash at any moment leaves the previous valid checkpoint intact: a checkpoint is written into
+  `checkpoints/.step_<k>.tmp/` (every trainer rank writes its shards there through
+  torch.distributed.checkpoint), rank 0 writes the completion marker last, then renames the
+  directory to `step_<k>` and fsyncs the parent.
+- Only a `step_<k>` directory holding the marker is valid; the latest is found by scanning, never
+  from a pointer file. Anything else under `checkpoints/` is debris of an interrupted save and is
+  deleted by `clean_incomplete`.
+- What is saved: the trainable weights (the LoRA adapters, or every weight without LoRA) and the
+  optimizer state as DCP shards, so a different number of trainer ranks can load them; plus the
+  step (= policy version = data cursor: step k's prompts are a function of the seed and k) and each
+  rank's RNG states. The frozen base is never copied.
+"""
+
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from .durable import fsync_path
+from .paths import CHECKPOINT_MARKER, RunPaths
+
+META = "meta.json"
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# One trainer rank saves without a process group (no_dist); DCP still warns that it assumes so.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# Loading sets the trainable weights only; dcp.load has already failed on any of them missing.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def clean_incomplete(paths: RunPaths) -> list[Path]:
+    """Delete what interrupted saves left behind (temporary and marker-less directories)."""
+    valid = set(paths.valid_checkpoints().values())
+    entries = list(paths.checkpoints.iterdir()) if paths.checkpoints.is_dir() else []
+    debris = [entry for entry in entries if entry not in valid]
+    for entry in debris:
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return debris
+
+
+def save(paths: RunPaths, step: int, model, optimizer, *, rank: int, keep: int) -> Path:
+    """Write the checkpoint of `step` (collective over the trainer ranks); returns its directory."""
+    tmp, final = paths.checkpoint_tmp(step), paths.checkpoint_dir(step)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    with open(tmp / f"rng_{rank}.pkl", "wb") as f:
+        pickle.dump(_rng_state(), f)
+        _sync(f)
+    barrier()
+    if rank == 0:
+        _write_synced(tmp / META, json.dumps({"step": step, "policy_version": step, "time": time.time(),
+                                              "world_size": _world_size()}))
+        _write_synced(tmp / CHECKPOINT_MARKER, "")
+        shutil.rmtree(final, ignore_errors=True)  # a marker-less leftover of the same step
+        os.replace(tmp, final)
+        fsync_path(paths.checkpoints)
+        for old in list(paths.valid_checkpoints())[:-keep]:
+            shutil.rmtree(paths.checkpoint_dir(old))
+    barrier()
+    return final
+
+
+def load(paths: RunPaths, step: int, model, optimizer, *, rank: int) -> dict:
+    """Restore the checkpoint of `step` into `model` and `optimizer` (collective); returns its meta."""
+    directory = paths.checkpoint_dir(step)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_LOAD_OPTIONS)
+    rng = directory / f"rng_{rank}.pkl"
+    if rng.exists():  # a rank that did not exist at save time keeps its seeded state
+        with open(rng, "rb") as f:
+            _set_rng_state(pickle.load(f))
+    return json.loads((directory / META).read_text())
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The saved trainable weights of a checkpoint as full tensors (for tests and tools; one process)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = directory.parent / f".{directory.name}.weights.pt"
+    try:
+        dcp_to_torch_save(directory, target)
+        return torch.load(target, weights_only=False)["model"]
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def barrier() -> None:
+    """Wait for every trainer rank (nothing to wait for with one)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        _sync(f)
+
+
+def _sync(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())

@@ -1,0 +1,117 @@
+"""Preemption on a real Slurm: signal -> checkpoint -> requeue -> resume, with nothing lost or done twice."""
+
+import json
+import random
+import subprocess
+import time
+
+import torch
+
+from rltools import checkpoint
+from rltools.paths import RunPaths
+
+from .conftest import cli, slurm_demo_overrides
+
+
+def submit(repo, run_dir, *overrides):
+    result = cli("submit", repo / "configs" / "demo.yaml", *slurm_demo_overrides(run_dir, *overrides))
+    assert result.returncode == 0, result.stderr
+    return (run_dir / "slurm" / "job_id").read_text().strip()
+
+
+def status(run_dir) -> dict:
+    return json.loads(cli("status", run_dir, "--json").stdout)
+
+
+def steps_done(run_dir) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def wait_until(condition, what: str, job_id: str, timeout_s: float = 240.0):
+    """Poll `condition()` until it is truthy. A requeued hetjob on this small idle cluster can sit
+    PENDING (reason BeginTime) until the scheduler looks at it again; an update of the job pokes the
+    scheduler, so the test does not depend on when the next scheduling pass happens."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id])
+            raise AssertionError(f"timed out waiting for {what} (job {job_id} cancelled)")
+        states = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
+        if "PENDING" in states:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "Comment=rltools-test-poke"], capture_output=True)
+        time.sleep(0.5)
+    return value
+
+
+def preempt(run_dir, job_id: str, how: str, at_step: int, restarts: int) -> None:
+    """Wait until the current attempt has trained past `at_step`, then preempt the job `how`."""
+    wait_until(lambda: status(run_dir)["restarts"] == restarts and steps_done(run_dir) >= at_step,
+               f"attempt {restarts} to pass step {at_step}", job_id)
+    command = ["scontrol", "requeue", job_id] if how == "requeue" else ["scancel", "--signal=USR2", job_id]
+    subprocess.run(command, check=True)
+
+
+def finish(run_dir, job_id: str, restarts: int) -> dict:
+    s = wait_until(lambda: (s := status(run_dir))["state"] in ("COMPLETED", "FAILED", "STOPPED", "CANCELLED") and s,
+                   "the end of the job", job_id, timeout_s=400)
+    assert (s["state"], s["restarts"]) == ("COMPLETED", restarts), s
+    return s
+
+
+def test_three_preemptions_lose_nothing_and_repeat_nothing(slurm, repo, tmp_path):
+    run_dir, steps = tmp_path / "run", 160
+    job_id = submit(repo, run_dir, f"schedule.steps={steps}", "schedule.checkpoint_every=25", "eval.problems=16")
+    rng = random.Random(20261129)
+    at = sorted(rng.sample(range(10, steps - 20), 3))
+    for restarts, (how, step) in enumerate(zip(["requeue", "signal", "requeue"], at)):
+        preempt(run_dir, job_id, how, step, restarts)
+    s = finish(run_dir, job_id, restarts=3)
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(steps)), "each step exactly once across restarts"
+    assert all(0 <= m["staleness"] <= 1 for m in lines)  # no shard of a discarded policy was trained on
+    assert s["step"] == steps and s["checkpoint"] == steps
+    logs = [p.read_text() for p in sorted((run_dir / "slurm/logs").glob("attempt_*/trainer_0.log"))]
+    assert len(logs) == 4 and all("resumed from" in text for text in logs[1:]), [t[-800:] for t in logs]
+    assert "received SIGUSR2" in logs[1] and "requeued job" in logs[1]  # the signal path: checkpoint, requeue
+
+
+def test_a_run_preempted_twice_ends_with_the_same_adapter_as_an_uninterrupted_one(slurm, repo, tmp_path):
+    common = ["schedule.steps=40", "schedule.max_staleness=0", "schedule.checkpoint_every=100", "eval.problems=16"]
+    reference = tmp_path / "reference"
+    done = cli("submit", repo / "configs/demo.yaml", "--set", f"run.dir={reference}",
+               *[w for o in common for w in ("--set", o)])
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    run_dir = tmp_path / "run"
+    job_id = submit(repo, run_dir, *common)
+    preempt(run_dir, job_id, "signal", at_step=12, restarts=0)
+    preempt(run_dir, job_id, "requeue", at_step=27, restarts=1)
+    finish(run_dir, job_id, restarts=2)
+
+    ours = checkpoint.read_weights(RunPaths(run_dir).checkpoint_dir(40))
+    expected = checkpoint.read_weights(RunPaths(reference).checkpoint_dir(40))
+    assert ours.keys() == expected.keys() and ours
+    for name in expected:
+        torch.testing.assert_close(ours[name], expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_time_limit_warning_checkpoints_and_resume_finishes(slurm, repo, tmp_path):
+    run_dir, steps = tmp_path / "run", 300
+    # 1 minute of wall time, the warning 30 s before it, no automatic requeue: the run stops at a
+    # checkpoint and a person resumes it.
+    job_id = submit(repo, run_dir, f"schedule.steps={steps}", "cluster.time=1", "cluster.preempt_grace_s=30",
+                    "cluster.requeue=false", "eval.problems=16")
+    s = wait_until(lambda: (s := status(run_dir))["state"] not in ("PENDING", "RUNNING", "COMPLETING") and s,
+                   "the time-limit stop", job_id, timeout_s=150)
+    assert s["state"] == "STOPPED" and s["checkpoint"] == s["step"] < steps, s
+    assert "continue with: rltools resume" in cli("status", run_dir).stdout
+
+    resumed = cli("resume", run_dir, "--set", "cluster.time=10", "--wait")  # with enough time this once
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming {run_dir} after {s['step']} of {steps} steps" in resumed.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(steps))
+    final = status(run_dir)
+    assert (final["state"], final["step"], final["restarts"]) == ("COMPLETED", steps, 1)
