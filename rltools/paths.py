@@ -85,12 +85,7 @@ class RunPaths:
 
     def rollout_steps(self) -> dict[int, Path]:
         """Existing step directories by step number."""
-        found = {}
-        for entry in self.rollouts.iterdir() if self.rollouts.is_dir() else ():
-            match = _STEP_NAME.fullmatch(entry.name)
-            if match:
-                found[int(match.group(1))] = entry
-        return found
+        return _numbered_steps(self.rollouts)
 
     @property
     def checkpoints(self) -> Path:
@@ -104,6 +99,14 @@ class RunPaths:
         """The LoRA adapter of a policy version, in PEFT layout, as the generator serves it."""
         return self.weights / f"adapter_v{version}"
 
+    def policy_dir(self, step: int) -> Path:
+        """The policy after `step` optimizer steps, exported for evaluation (rltools.eval.checkpoints)."""
+        return self.weights / f"step_{step}"
+
+    def policy_steps(self) -> dict[int, Path]:
+        """Existing policy exports by step (temporaries excluded; completeness is checked by the reader)."""
+        return _numbered_steps(self.weights)
+
     @property
     def eval_dir(self) -> Path:
         return self.root / "eval"
@@ -111,6 +114,11 @@ class RunPaths:
     def eval_result(self, step: int) -> Path:
         """Held-out evaluation after `step` optimizer steps (0 = the base model)."""
         return self.eval_dir / f"step_{step}.json"
+
+    @property
+    def eval_log(self) -> Path:
+        """One JSON line per held-out evaluation during training (written by generator rank 0 only)."""
+        return self.root / "eval.jsonl"
 
     @property
     def tensorboard(self) -> Path:
@@ -154,3 +162,13 @@ class RunPaths:
     def read_run_id(self) -> str:
         """A random id fixed at creation: shards of another run are refused by it."""
         return self.run_id_file.read_text().strip()
+
+
+def _numbered_steps(directory: Path) -> dict[int, Path]:
+    """Entries named step_<k> of `directory`, by k."""
+    found = {}
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        match = _STEP_NAME.fullmatch(entry.name)
+        if match:
+            found[int(match.group(1))] = entry
+    return found
