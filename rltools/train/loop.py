@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import load_config
+from ..eval.checkpoints import save_policy
 from ..launch.address import publish_address, wait_for_address
 from ..launch.role_env import RoleEnv
 from ..paths import RunPaths
-from ..roles import sync_backend, sync_world_size
+from ..roles import eval_due, sync_backend, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore
 from .model import export_adapter, export_weights, load_policy, shard_model
 from .trainer import Trainer
@@ -66,12 +67,17 @@ def run_trainer(run_dir: str) -> None:
         kind = config.generator.weight_sync
         # collective: every trainer rank iterates
         weights = export_adapter(model) if kind == "lora" else export_weights(model, lora_scale)
+        export = eval_due(config, step + 1)  # the evaluated policies stay loadable by `rltools eval`
+        if export:
+            weights = list(weights)
         if sender is not None:
             sender.broadcast(weights, version=step + 1, kind=kind)
         else:
             for _ in weights:
                 pass
         synced = time.perf_counter() - start - waited - trained
+        if export and env.rank == 0:
+            save_policy(paths.policy_dir(step + 1), weights, kind, config.model.path, config.lora, step + 1)
         if env.rank == 0:
             tokens = int(batch.completion_offsets[-1])
             metrics.update(
