@@ -9,109 +9,93 @@ Invariants:
 - `map` returns one result per input, in order, within about timeout_s x ceil(calls / workers)
   (plus start-up), whatever the function does: hangs, raises, crashes its process, or returns a
   non-number (each of these is the fallback, and logged).
-- Workers are started with "spawn": they never inherit the generator's threads or vLLM state.
+- Workers are fresh interpreters (rltools/reward/worker.py), not forks: they never inherit the
+  generator's threads or vLLM state, nor re-run the caller's __main__ (multiprocessing's "spawn" would).
 - The pool owns its workers: `close` (also at exit) kills any that are left.
 """
 
 import atexit
-import importlib
 import logging
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection, wait
 
 log = logging.getLogger("rltools.reward")
 
-START_TIMEOUT_S = 60.0  # a spawned worker imports the function's module before its first call
-
-
-def load_function(reference: str):
-    """The callable named by 'package.module:function'; ValueError naming what is missing."""
-    module_name, sep, attr = reference.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:function', got {reference!r}")
-    module = importlib.import_module(module_name)
-    try:
-        function = getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(function):
-        raise ValueError(f"{reference!r} is not callable")
-    return function
-
-
-def _worker(reference: str, conn: Connection) -> None:
-    try:
-        function = load_function(reference)
-    except Exception as err:  # reported to the parent, which raises it with the reference named
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            args = conn.recv()
-        except EOFError:
-            return
-        try:
-            result = function(*args)
-            conn.send(("ok", float(result)))
-        except Exception as err:
-            conn.send(("raised", f"{type(err).__name__}: {err}"))
+START_TIMEOUT_S = 60.0  # a fresh worker imports the function's module before its first call
 
 
 class TimeoutPool:
     def __init__(self, reference: str, timeout_s: float, workers: int, fallback: float = 0.0):
         self.reference, self.timeout_s, self.fallback = reference, timeout_s, fallback
-        self._ctx = mp.get_context("spawn")
-        self._workers = [self._start() for _ in range(workers)]
-        self.timeouts = 0
+        self._workers: list[tuple[subprocess.Popen, Connection, Connection]] = []
         atexit.register(self.close)
+        try:
+            for _ in range(workers):
+                self._workers.append(self._start())
+        except BaseException:
+            self.close()
+            raise
+        self.timeouts = 0
 
-    def _start(self) -> tuple:
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker, args=(self.reference, child), daemon=True)
-        process.start()
-        child.close()
-        if not parent.poll(START_TIMEOUT_S):
-            process.kill()
-            raise RuntimeError(f"reward worker for {self.reference!r} did not start within {START_TIMEOUT_S:.0f} s")
-        status, detail = parent.recv()
+    def _start(self) -> tuple[subprocess.Popen, Connection, Connection]:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rltools.reward.worker", self.reference, str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env,
+        )
+        os.close(to_child_r)
+        os.close(from_child_w)
+        requests, replies = Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+        try:
+            if not replies.poll(START_TIMEOUT_S):
+                raise RuntimeError(f"reward worker for {self.reference!r} did not start within {START_TIMEOUT_S:.0f} s")
+            status, detail = replies.recv()
+        except EOFError:
+            status, detail = "error", f"the worker exited with code {process.wait()}"
+        except BaseException:
+            _stop(process, requests, replies)
+            raise
         if status != "ready":
-            process.join()
+            _stop(process, requests, replies)
             raise ValueError(f"reward function {self.reference!r} cannot be loaded: {detail}")
-        return process, parent
+        return process, requests, replies
 
     def map(self, calls: list[tuple]) -> list[float]:
         """Results of function(*args) for each args in `calls`, in order (fallback on failure)."""
         results = [self.fallback] * len(calls)
         pending = list(enumerate(calls))[::-1]
-        busy: dict[Connection, tuple[int, float, int]] = {}  # conn -> (call index, deadline, worker slot)
+        busy: dict[Connection, tuple[int, float, int]] = {}  # replies -> (call index, deadline, worker slot)
         idle = list(range(len(self._workers)))
         while pending or busy:
             while pending and idle:
                 slot = idle.pop()
                 index, args = pending.pop()
-                self._workers[slot][1].send(args)
-                busy[self._workers[slot][1]] = (index, time.monotonic() + self.timeout_s, slot)
+                _, requests, replies = self._workers[slot]
+                requests.send(args)
+                busy[replies] = (index, time.monotonic() + self.timeout_s, slot)
             soonest = min(deadline for _, deadline, _ in busy.values())
-            for conn in wait(list(busy), timeout=max(0.0, soonest - time.monotonic())):
-                index, _, slot = busy.pop(conn)
-                results[index] = self._receive(conn, slot, index)
+            for replies in wait(list(busy), timeout=max(0.0, soonest - time.monotonic())):
+                index, _, slot = busy.pop(replies)
+                results[index] = self._receive(replies, slot, index)
                 idle.append(slot)
             now = time.monotonic()
-            for conn, (index, deadline, slot) in list(busy.items()):
+            for replies, (index, deadline, slot) in list(busy.items()):
                 if now >= deadline:
-                    busy.pop(conn)
+                    busy.pop(replies)
                     self.timeouts += 1
                     log.warning("reward call %d exceeded reward.timeout_s %.1f s: scored %s", index, self.timeout_s, self.fallback)
                     self._replace(slot)
                     idle.append(slot)
         return results
 
-    def _receive(self, conn: Connection, slot: int, index: int) -> float:
+    def _receive(self, replies: Connection, slot: int, index: int) -> float:
         try:
-            status, value = conn.recv()
+            status, value = replies.recv()
         except (EOFError, OSError):  # the worker died (segfault, os._exit, OOM kill)
             log.warning("reward worker died on call %d: scored %s", index, self.fallback)
             self._replace(slot)
@@ -122,20 +106,22 @@ class TimeoutPool:
         return value
 
     def _replace(self, slot: int) -> None:
-        process, conn = self._workers[slot]
-        process.kill()
-        process.join()
-        conn.close()
+        _stop(*self._workers[slot])
         self._workers[slot] = self._start()
 
     def close(self) -> None:
-        for process, conn in self._workers:
-            if process.is_alive():
-                process.kill()
-            process.join()
-            conn.close()
+        for worker in self._workers:
+            _stop(*worker)
         self._workers = []
         atexit.unregister(self.close)
+
+
+def _stop(process: subprocess.Popen, requests: Connection, replies: Connection) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    requests.close()
+    replies.close()
 
 
 def default_workers() -> int:

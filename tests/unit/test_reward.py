@@ -141,3 +141,19 @@ def test_math_verify_checks_equivalence_and_times_out_on_towers():
         assert time.perf_counter() - start < 3.0 * 2 + 15
     finally:
         reward.close()
+
+
+def test_pool_works_from_a_script_without_a_main_guard(tmp_path):
+    # multiprocessing's spawn re-runs such a script in every worker and fails; fresh interpreters do not.
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "from rltools.config.schema import RewardConfig\nfrom rltools.reward import make_reward\n"
+        "r = make_reward(RewardConfig(type='custom', function='rltools.data.arithmetic:reward', workers=1))\n"
+        "print(r.score(['81', '7'], [81, 81]))\nr.close()\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[1.0, 0.0]"
