@@ -66,6 +66,11 @@ def render_prompt(template: str, text: str) -> str:
         ) from None
 
 
+def problem_key(text: str) -> str:
+    """What makes two problems the same for de-duplication: the text with whitespace normalised."""
+    return " ".join(text.split())
+
+
 def load_problems(
     path: str | Path, kind: str, prompt_key: str, answer_key: str, template: str, dedupe: bool, integer: bool
 ) -> list[Problem]:
@@ -85,7 +90,7 @@ def load_problems(
             answer = value
         elif answer is None:
             raise UserError(f"{where}: {answer_key!r} is empty")
-        key = " ".join(text.split())
+        key = problem_key(text)
         if dedupe and key in seen:
             dropped += 1
             continue
