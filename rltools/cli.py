@@ -132,7 +132,7 @@ def cmd_eval(args) -> int:
     from .eval.run import run_eval
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
-        result = run_eval(config, paths, args.checkpoint, k=args.k, problems=args.problems)
+        result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -69,12 +69,12 @@ def available(paths: RunPaths) -> dict[int, Path]:
     return {step: path for step, path in sorted(paths.policy_steps().items()) if (path / EXPORT_MARKER).is_file()}
 
 
-def resolve_checkpoint(paths: RunPaths | None, name: str) -> Policy:
+def resolve_checkpoint(paths: RunPaths, name: str) -> Policy:
     """The policy `name` (base, latest, step_N) of the run at `paths`; UserError naming what exists."""
     if name == "base" or name == "step_0":
         return Policy(name, 0, "base", None)
-    exports = available(paths) if paths is not None else {}
-    where = f"{paths.weights}" if paths is not None else "(no run directory)"
+    exports = available(paths)
+    where = paths.weights
     have = ", ".join(["base"] + [f"step_{s}" for s in exports]) + (f" (latest = step_{max(exports)})" if exports else "")
     if name == "latest":
         if not exports:

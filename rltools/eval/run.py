@@ -13,11 +13,12 @@ from ..paths import RunPaths
 from .checkpoints import Policy, resolve_checkpoint
 
 
-def run_eval(config: RLConfig, paths: RunPaths | None, checkpoint: str = "latest", k: int | None = None,
-             problems: int | None = None) -> dict:
-    """Evaluate policy `checkpoint` (base, latest, step_N) of the run at `paths`; returns the summary
-    (keys avg_at_k, stderr, k, pass_at_k, pass_at_1, n_problems, per_problem_accuracy, token stats)."""
-    policy = resolve_checkpoint(paths, checkpoint)
+def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None, problems: int | None = None,
+             paths: RunPaths | None = None) -> dict:
+    """Evaluate policy `checkpoint` (base, latest, step_N) of the run at `paths` (default: config.run.dir);
+    k and problems default to eval.k and eval.problems. Returns the summary (keys avg_at_k, stderr, k,
+    pass_at_k, pass_at_1, n_problems, per_problem_accuracy, token statistics, checkpoint, step)."""
+    policy = resolve_checkpoint(paths or RunPaths(config.run.dir), checkpoint)
     for name, value in config.cluster.environment.items():  # the environment the run's roles had
         os.environ.setdefault(name, value)
     from ..data.tasks import make_task

@@ -52,7 +52,7 @@ def test_latest_step_and_base_resolve(tmp_path, base):
         export(paths, step, base)
     assert resolve_checkpoint(paths, "latest").step == 30
     assert resolve_checkpoint(paths, "step_10").path == paths.policy_dir(10)
-    assert resolve_checkpoint(paths, "base").kind == "base" and resolve_checkpoint(None, "base").step == 0
+    assert resolve_checkpoint(paths, "base").kind == "base" and resolve_checkpoint(RunPaths(tmp_path / "none"), "base").step == 0
 
 
 def test_incomplete_exports_do_not_count(tmp_path, base):
