@@ -112,6 +112,7 @@ def cmd_render(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    import contextlib
     import json
 
     from .paths import RunPaths
@@ -127,9 +128,7 @@ def cmd_eval(args) -> int:
     for flag, value in (("--k", args.k), ("--problems", args.problems)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
-    import contextlib
-
-    from .eval.run import run_eval
+    from .eval.run import run_eval  # light itself; vLLM is imported only once the checkpoint is found
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
         result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
