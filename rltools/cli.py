@@ -75,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-o", "--output", type=Path, help="script path (default: RUN_DIR/slurm/job.sbatch)")
     render.set_defaults(func=cmd_render)
 
+    evaluate = commands.add_parser("eval", help="avg@k / pass@k of a policy of a run, on its held-out problems")
+    evaluate.add_argument("target", type=Path, metavar="CONFIG_OR_RUN_DIR", help="a run directory or a YAML config")
+    evaluate.add_argument("--checkpoint", default="latest", help="base, latest (default) or step_N")
+    evaluate.add_argument("--k", type=int, help="samples per problem (default: eval.k)")
+    evaluate.add_argument("--problems", type=int, help="held-out problems to evaluate (default: eval.problems)")
+    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a key of a CONFIG (not of a run directory's config)")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(func=cmd_eval)
+
     bench = commands.add_parser("bench", help="measure a data plane against its raw reference")
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     handoff = kinds.add_parser("handoff", help="rollout shards through the store vs raw file write+fsync+read")
@@ -212,6 +222,50 @@ def cmd_plot(args) -> int:
     plot_run(open_run(args.run_dir), args.output)
     print(f"wrote {args.output}")
     return 0
+
+
+def cmd_eval(args) -> int:
+    import contextlib
+    import json
+
+    from .paths import RunPaths
+
+    if args.target.is_dir():
+        if args.overrides:
+            raise UserError("--set applies to a CONFIG file; a run directory is evaluated with the config it ran with")
+        paths = RunPaths(args.target)
+        config = load_config(paths.config)
+    else:
+        config = load_config(args.target, args.overrides)
+        paths = RunPaths(config.run.dir)  # its exports, if that run exists; base needs none
+    for flag, value in (("--k", args.k), ("--problems", args.problems)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    from .eval.run import run_eval  # light itself; vLLM is imported only once the checkpoint is found
+
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
+        result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"{result['checkpoint']} (step {result['step']}): avg@{result['k']} {result['avg_at_k']:.3f} "
+        f"(+- {result['stderr']:.3f}, {result['n_problems']} problems) | pass@{result['k']} {result['pass_at_k']:.3f} "
+        f"pass@1 {result['pass_at_1']:.3f} | completion tokens mean {result['mean_completion_tokens']:.1f} "
+        f"max {result['max_completion_tokens']}, truncated {100 * result['truncated_fraction']:.1f}% | {result['seconds']:.1f} s"
+    )
+    print(_per_problem(result["per_problem_accuracy"], result["k"]))
+    return 0
+
+
+def _per_problem(accuracy: list[float], k: int) -> str:
+    """Each problem's accuracy for short sets (AIME: 30), else how many problems got j of k right."""
+    if len(accuracy) <= 40:
+        return "per-problem accuracy: " + " ".join(f"{a:.2f}" for a in accuracy)
+    counts = [0] * (k + 1)
+    for a in accuracy:
+        counts[round(a * k)] += 1
+    return "problems by correct samples: " + ", ".join(f"{j}/{k}: {c}" for j, c in enumerate(counts) if c)
 
 
 def cmd_bench(args) -> int:

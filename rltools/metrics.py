@@ -7,6 +7,7 @@ the training metrics, generator rank 0 the evaluations, each to its own event fi
 
 import json
 import os
+import shutil
 
 from .paths import RunPaths
 
@@ -16,15 +17,24 @@ _writers: dict[str, object] = {}
 def resume_metrics(paths: RunPaths, steps_done: int) -> None:
     """A resume from the checkpoint after `steps_done` steps: forget what later steps recorded, so
     each step appears exactly once in metrics.jsonl (and TensorBoard) across restarts."""
-    if paths.metrics.exists():
-        kept = [line for line in paths.metrics.read_text().splitlines(keepends=True)
-                if line.endswith("\n") and json.loads(line)["step"] < steps_done]
-        tmp = paths.metrics.with_suffix(".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, paths.metrics)
+    _keep_lines(paths.metrics, lambda record: record["step"] < steps_done)  # step = the step trained
+    _keep_lines(paths.eval_log, lambda record: record["step"] <= steps_done)  # step = steps done
     for step in [s for s in _eval_steps(paths) if s > steps_done]:
         paths.eval_result(step).unlink()
+    for step, directory in paths.policy_steps().items():
+        if step > steps_done:
+            shutil.rmtree(directory)
     _writer(paths, purge_step=steps_done + 1)
+
+
+def _keep_lines(path, keep) -> None:
+    """Rewrite a JSON-lines file with the complete lines `keep` accepts (a cut last line goes)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line for line in lines if keep(json.loads(line))))
+    os.replace(tmp, path)
 
 
 def _eval_steps(paths: RunPaths) -> list[int]:

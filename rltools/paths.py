@@ -140,6 +140,14 @@ class RunPaths:
         """The LoRA adapter of a policy version, in PEFT layout, as the generator serves it."""
         return self.weights / f"adapter_v{version}"
 
+    def policy_dir(self, step: int) -> Path:
+        """The policy after `step` optimizer steps, exported for evaluation (rltools.eval.checkpoints)."""
+        return self.weights / f"step_{step}"
+
+    def policy_steps(self) -> dict[int, Path]:
+        """Existing policy exports by step (temporaries excluded; completeness is checked by the reader)."""
+        return self._steps_in(self.weights)
+
     @property
     def eval_dir(self) -> Path:
         return self.root / "eval"
@@ -147,6 +155,11 @@ class RunPaths:
     def eval_result(self, step: int) -> Path:
         """Held-out evaluation after `step` optimizer steps (0 = the base model)."""
         return self.eval_dir / f"step_{step}.json"
+
+    @property
+    def eval_log(self) -> Path:
+        """One JSON line per held-out evaluation during training (written by generator rank 0 only)."""
+        return self.root / "eval.jsonl"
 
     @property
     def tensorboard(self) -> Path:

@@ -30,3 +30,10 @@ def prompt_share(config: RLConfig, generator_rank: int) -> range:
 
 def group_id(config: RLConfig, step: int, prompt_index: int) -> int:
     return step * config.schedule.prompts_per_step + prompt_index
+
+
+def eval_due(config: RLConfig, version: int) -> bool:
+    """Whether policy version `version` (= optimizer steps done) is evaluated on the held-out set and
+    exported to weights/step_<version>: before training, every schedule.eval_every steps, at the end."""
+    every = config.schedule.eval_every
+    return version == 0 or version == config.schedule.steps or bool(every and version % every == 0)

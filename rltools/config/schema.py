@@ -69,12 +69,21 @@ class DataConfig(Section):
     answer_key: str = "answer"
     """Column holding the reference answer."""
     prompt_template: str = "{prompt}"
-    """Template applied to each problem; `{prompt}` is replaced by the problem text."""
+    """Template applied to each problem (Python str.format): `{prompt}` is replaced by the problem
+    text; write literal braces doubled, e.g. `\\boxed{{}}`."""
+    dedupe: bool = True
+    """Drop repeated problems (same text after whitespace normalisation), keeping the first: some
+    public copies of AIME 2024 repeat each problem many times."""
 
     @model_validator(mode="after")
     def _needs_file(self):
-        if self.type != "arithmetic" and self.train_path is None:
-            raise ValueError(f"data.type {self.type} needs data.train_path (the problems file)")
+        if self.type != "arithmetic":
+            for key in ("train_path", "eval_path"):
+                if getattr(self, key) is None:
+                    raise ValueError(
+                        f"data.type {self.type} needs data.{key} (train_path: training problems; eval_path: "
+                        "held-out problems for avg@k, which may be the training file)"
+                    )
         return self
 
 
@@ -85,7 +94,10 @@ class RewardConfig(Section):
     function: str | None = None
     """For type custom: 'module:function' called as f(completion, answer) -> float. Runs your code."""
     timeout_s: float = Field(5.0, gt=0)
-    """Hard limit on one reward call (math_verify and custom run in a worker pool)."""
+    """Hard limit on one reward call (math_verify and custom run in a worker pool); a call that
+    exceeds it scores 0 and its worker process is replaced."""
+    workers: int | None = Field(None, ge=1)
+    """Worker processes for math_verify and custom rewards; default: CPU cores - 1, at most 4."""
 
     @model_validator(mode="after")
     def _custom_needs_function(self):

@@ -1,1 +1,1 @@
-"""Problem sources for RL fine-tuning: generated arithmetic (the CPU demo) and, later, files of problems."""
+"""Problem sources for RL fine-tuning: generated arithmetic (the CPU demo) and files of problems (JSONL, Parquet)."""

@@ -41,8 +41,10 @@ _CANONICAL = re.compile(r"0|[1-9][0-9]*")  # [0-9], not \d: int() would accept "
 class Problem:
     prompt: str
     """Exactly the text given to the model, PROMPT_SUFFIX included."""
-    answer: int
-    """The non-negative integer the completion must spell, in canonical decimal."""
+    answer: int | str
+    """The reference answer: an integer for arithmetic problems and the integer rewards (here the
+    non-negative integer the completion must spell, in canonical decimal); text for math_verify and
+    custom rewards on file datasets."""
 
 
 def _add(rng: random.Random) -> tuple[str, int]:

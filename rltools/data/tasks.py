@@ -1,20 +1,26 @@
-"""A task = where problems come from + how completions are scored; chosen by `data.type` / `reward.type`.
+"""A task = where problems come from (`data.type`) + how completions are scored (`reward.type`).
 
-Invariant: training problems of a step are a pure function of (seed, epoch, step), so any generator
-rank can regenerate its share after a restart.
+Invariant: training problems of a step are a pure function of (seed, step), so any generator
+rank can regenerate its share after a restart; `cursor_after(step)` is the data position a
+checkpoint of that step records.
 """
 
 from dataclasses import dataclass
 
 from ..config.schema import DataConfig, RewardConfig
 from ..errors import UserError
+from ..reward import Reward, make_reward
+from ..reward.verifiers import INTEGER_TYPES
 from . import arithmetic
 from .arithmetic import Problem
+from .files import load_problems
+from .order import Cursor, DataOrder
 
 
-@dataclass(frozen=True)
+@dataclass
 class ArithmeticTask:
     seed: int
+    reward: Reward
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
         return arithmetic.train_prompts(self.seed, epoch=0, step=step, count=count)
@@ -22,15 +28,41 @@ class ArithmeticTask:
     def eval_problems(self, count: int) -> list[Problem]:
         return arithmetic.problems(self.seed, "eval", count)
 
-    @staticmethod
-    def reward(completion_text: str, answer: int) -> float:
-        return arithmetic.reward(completion_text, answer)
+    def cursor_after(self, step: int, count: int) -> Cursor:
+        return Cursor(0, (step + 1) * count)  # problems are drawn, not visited: the position is the step
 
 
-def make_task(data: DataConfig, reward: RewardConfig, seed: int) -> ArithmeticTask:
-    if data.type == "arithmetic" and reward.type == "exact_integer":
-        return ArithmeticTask(seed)
-    raise UserError(
-        f"data.type {data.type} with reward.type {reward.type} is not available yet: this release runs "
-        "data.type arithmetic with reward.type exact_integer (file datasets and math rewards come next)"
-    )
+@dataclass
+class FileTask:
+    train: list[Problem]
+    eval: list[Problem]
+    order: DataOrder
+    reward: Reward
+
+    def train_problems(self, step: int, count: int) -> list[Problem]:
+        indices, _ = self.order.take(self.order.cursor_at(step, count), count)
+        return [self.train[i] for i in indices]
+
+    def eval_problems(self, count: int) -> list[Problem]:
+        """The first `count` held-out problems, in file order."""
+        return self.eval[:count]
+
+    def cursor_after(self, step: int, count: int) -> Cursor:
+        return self.order.cursor_at(step + 1, count)
+
+
+def make_task(data: DataConfig, reward: RewardConfig, seed: int) -> ArithmeticTask | FileTask:
+    if data.type == "arithmetic":
+        if reward.type != "exact_integer":
+            raise UserError(f"data.type arithmetic is scored by reward.type exact_integer, not {reward.type}")
+        return ArithmeticTask(seed, make_reward(reward))
+    integer = reward.type in INTEGER_TYPES
+
+    def load(path):
+        return load_problems(
+            path, data.type, data.prompt_key, data.answer_key, data.prompt_template, data.dedupe, integer
+        )
+
+    train = load(data.train_path)
+    held_out = train if data.eval_path == data.train_path else load(data.eval_path)
+    return FileTask(train, held_out, DataOrder(len(train), seed), make_reward(reward))

@@ -1,1 +1,1 @@
-"""Evaluation: avg@k / pass@k over held-out problems."""
+"""Evaluation: avg@k / pass@k over held-out problems, during training and of exported policies (`rltools eval`)."""

@@ -40,4 +40,6 @@ def summarize(correct: np.ndarray, completion_tokens: np.ndarray) -> dict:
         "n_problems": int(correct.shape[0]),
         "per_problem_accuracy": [round(float(a), 4) for a in correct.mean(axis=1)],
         "mean_completion_tokens": round(float(completion_tokens.mean()), 2) if completion_tokens.size else 0.0,
+        "median_completion_tokens": float(np.median(completion_tokens)) if completion_tokens.size else 0.0,
+        "max_completion_tokens": int(completion_tokens.max()) if completion_tokens.size else 0,
     }

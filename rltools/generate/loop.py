@@ -3,7 +3,8 @@
 Reads top to bottom. Staleness: step k may be generated with policy version v only while
 k - v <= schedule.max_staleness (0 = on-policy; 1 = generate step k+1 while step k trains). Every
 broadcast of the trainer is received exactly once, in order, including the final one, after which
-generator rank 0 evaluates the trained policy.
+generator rank 0 evaluates the trained policy. Rewards are scored per step in one batch (pooled
+verifiers score it in parallel worker processes, each call under reward.timeout_s).
 """
 
 import json
@@ -15,12 +16,12 @@ import numpy as np
 from ..config import load_config
 from ..data.tasks import make_task
 from ..eval.metrics import summarize
-from ..metrics import write_scalars
 from ..launch.role_env import RoleEnv
+from ..metrics import write_scalars
 from ..paths import RunPaths
 from ..preempt import generator_signals
-from ..roles import group_id, prompt_share, sync_backend, sync_rank_base, sync_world_size
-from ..rollout import RolloutBatch, RolloutStore, Sample
+from ..roles import eval_due, group_id, prompt_share, sync_backend, sync_rank_base, sync_world_size
+from ..rollout import FinishReason, RolloutBatch, RolloutStore, Sample
 from .vllm_engine import VLLMEngine, request_seed
 
 log = logging.getLogger("rltools.generator")
@@ -32,6 +33,13 @@ def run_generator(run_dir: str) -> None:
     config = load_config(paths.config)
     generator_signals(config.cluster.preempt_signal)
     task = make_task(config.data, config.reward, config.run.seed)
+    try:
+        generate(env, paths, config, task)
+    finally:
+        task.reward.close()
+
+
+def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     engine = VLLMEngine(config.model, config.generator, config.run.seed, config.lora)
     engine.join_weight_sync(
         paths, sync_rank_base(config, env.rank), sync_world_size(config), env.attempt, sync_backend()
@@ -46,7 +54,7 @@ def run_generator(run_dir: str) -> None:
     else:
         version = 0
         if env.rank == 0:
-            evaluate(engine, task, config, paths, version)
+            record_eval(paths, evaluate(engine, task, config), version)
     for step in range(start, schedule.steps):
         while step - version > schedule.max_staleness:
             version = receive(engine, task, config, paths, env, version)
@@ -61,12 +69,16 @@ def run_generator(run_dir: str) -> None:
             n=schedule.group_size,
             seeds=[request_seed(config.run.seed, step, i, schedule.group_size) for i in share],
         )
+        rewards = iter(task.reward.score(
+            [c.text for result in results for c in result.completions],
+            [problems[i].answer for i, result in zip(share, results) for _ in result.completions],
+        ))
         samples = [
             Sample(
                 prompt_ids=result.prompt_token_ids,
                 completion_ids=c.token_ids,
                 completion_logprobs=c.logprobs,
-                reward=task.reward(c.text, problems[i].answer),
+                reward=next(rewards),
                 group_id=group_id(config, step, i),
                 sample_index=j,
                 finish_reason=c.finish_reason,
@@ -85,29 +97,43 @@ def run_generator(run_dir: str) -> None:
 def receive(engine: VLLMEngine, task, config, paths: RunPaths, env: RoleEnv, version: int) -> int:
     new_version, seconds = engine.receive_weights(paths, version + 1)
     log.info("policy version %d loaded in %.3f s", new_version, seconds)
-    every = config.schedule.eval_every
-    final = new_version == config.schedule.steps
-    if env.rank == 0 and (final or (every and new_version % every == 0)):
-        evaluate(engine, task, config, paths, new_version)
+    if env.rank == 0 and eval_due(config, new_version):
+        record_eval(paths, evaluate(engine, task, config), new_version)
     return new_version
 
 
-def evaluate(engine: VLLMEngine, task, config, paths: RunPaths, version: int) -> dict:
-    """avg@k on the held-out problems with the current weights -> eval/step_<version>.json."""
-    problems = task.eval_problems(config.eval.problems)
+def evaluate(engine: VLLMEngine, task, config, k: int | None = None, count: int | None = None) -> dict:
+    """avg@k, pass@k and token statistics on the held-out problems with the engine's current weights.
+
+    Sampling seeds depend only on (run seed, problem index, k): the same policy gives the same
+    result here, during training, and in `rltools eval`.
+    """
+    k = k or config.eval.k
+    problems = task.eval_problems(count or config.eval.problems)
     start = time.perf_counter()
     results = engine.sample(
         [p.prompt for p in problems],
-        n=config.eval.k,
-        seeds=[request_seed(config.run.seed, -1, i, config.eval.k) for i in range(len(problems))],
+        n=k,
+        seeds=[request_seed(config.run.seed, -1, i, k) for i in range(len(problems))],
     )
-    correct = np.array([[task.reward(c.text, p.answer) for c in r.completions] for p, r in zip(problems, results)])
-    tokens = np.array([len(c.token_ids) for r in results for c in r.completions])
-    summary = {"step": version, **summarize(correct > 0.5, tokens), "seconds": round(time.perf_counter() - start, 2)}
+    completions = [c for r in results for c in r.completions]
+    scores = task.reward.score([c.text for c in completions], [p.answer for p in problems for _ in range(k)])
+    correct = np.array(scores).reshape(len(problems), k) > 0.5
+    tokens = np.array([len(c.token_ids) for c in completions])
+    truncated = float(np.mean([c.finish_reason == FinishReason.LENGTH for c in completions]))
+    return {**summarize(correct, tokens), "truncated_fraction": round(truncated, 4),
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def record_eval(paths: RunPaths, summary: dict, version: int) -> None:
+    """-> eval/step_<version>.json (atomically) and one line of eval.jsonl."""
+    summary = {"step": version, **summary}
     paths.eval_dir.mkdir(exist_ok=True)
     tmp = paths.eval_result(version).with_suffix(".tmp")
     tmp.write_text(json.dumps(summary))
     tmp.replace(paths.eval_result(version))
-    write_scalars(paths, version, summary, prefix="eval")
-    log.info("eval at policy version %d: avg@%d %.3f +- %.3f", version, config.eval.k, summary["avg_at_k"], summary["stderr"])
-    return summary
+    line = {key: value for key, value in summary.items() if key != "per_problem_accuracy"}
+    with open(paths.eval_log, "a") as f:
+        f.write(json.dumps({**line, "time": time.time()}) + "\n")
+    write_scalars(paths, version, line, prefix="eval")
+    log.info("eval at policy version %d: avg@%d %.3f +- %.3f", version, summary["k"], summary["avg_at_k"], summary["stderr"])

@@ -13,14 +13,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import load_config
-from ..launch.address import publish_address, wait_for_address
 from .. import checkpoint
+from ..config import load_config
+from ..eval.checkpoints import save_policy
+from ..launch.address import publish_address, wait_for_address
 from ..launch.role_env import RoleEnv
 from ..metrics import append_metrics, resume_metrics
-from ..preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..paths import RunPaths
-from ..roles import sync_backend, sync_world_size
+from ..preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
+from ..roles import eval_due, sync_backend, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore
 from ..weight_sync import WeightSyncError
 from .model import export_adapter, export_weights, load_policy, shard_model
@@ -60,12 +61,16 @@ def run_trainer(run_dir: str) -> int:
     lora_scale = config.lora.alpha / config.lora.rank if config.lora.enabled else None
     kind = config.generator.weight_sync
 
-    def send(version: int) -> None:  # collective: every trainer rank takes part in the export
+    def send(version: int, keep: bool = False) -> list | None:
+        """Broadcast `version`'s weights (collective: every trainer rank takes part in the export);
+        with `keep`, also return them (a list) for rank 0 to save."""
         weights = export_adapter(model) if kind == "lora" else export_weights(model, lora_scale)
+        if keep:
+            weights = list(weights)
         if sender is None:
             for _ in weights:
                 pass
-            return
+            return weights if keep else None
         try:
             sender.broadcast(weights, version=version, kind=kind)
         except WeightSyncError:
@@ -76,6 +81,7 @@ def run_trainer(run_dir: str) -> int:
             log.warning("generators left during the broadcast of version %d: stopping", version)
             for _ in weights:  # finish the export: under FSDP2 it is a collective of the trainers
                 pass
+        return weights if keep else None
 
     if start:
         send(start)  # generators take the checkpoint's weights before generating anything
@@ -94,9 +100,12 @@ def run_trainer(run_dir: str) -> int:
             waited = time.perf_counter() - begin
             metrics = trainer.step(batch)
             trained = time.perf_counter() - begin - waited
-            send(step + 1)
+            export = eval_due(config, step + 1)  # the evaluated policies stay loadable by `rltools eval`
+            weights = send(step + 1, keep=export)
             synced = time.perf_counter() - begin - waited - trained
             done = step + 1
+            if export and env.rank == 0:
+                save_policy(paths.policy_dir(done), weights, kind, config.model.path, config.lora, done)
             if env.rank == 0:
                 tokens = int(batch.completion_offsets[-1])
                 metrics.update(

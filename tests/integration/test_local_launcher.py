@@ -79,4 +79,5 @@ def test_lora_weight_sync_serves_exactly_the_trainers_adapter(repo, tmp_path):
     assert [m["staleness"] for m in lines] == [0, 0, 0, 0]
     assert all(m["logprob_diff"] < 1e-3 for m in lines[1:]), [m["logprob_diff"] for m in lines]
     assert any(m["grad_norm"] > 0 for m in lines)  # the adapters did change between versions
-    assert [p.name for p in (run_dir / "weights").iterdir()] == ["adapter_v4"]  # older versions cleaned up
+    served = [p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("adapter_")]
+    assert served == ["adapter_v4"]  # older versions cleaned up (weights/step_<k> are the evaluated exports)

@@ -1,0 +1,90 @@
+"""Policy exports for evaluation: what `--checkpoint base|latest|step_N` means, in one place.
+
+Invariants:
+- weights/step_<k>/ holds the policy after k optimizer steps exactly as the generators served it:
+  weight_sync full -> a complete Hugging Face model (the merged tensors the engines loaded, plus the
+  base model's config and tokenizer files); weight_sync lora -> a PEFT adapter over the base model.
+- An export counts only with its marker (EXPORT_MARKER, written last, inside a temporary directory
+  that is then renamed): a trainer killed mid-write leaves nothing a reader takes for a policy.
+- `resolve_checkpoint` is the only reader of the layout; checkpoints with optimizer state (issue 6)
+  re-point it here without touching the evaluator.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config.schema import LoraConfig
+from ..errors import UserError
+from ..paths import RunPaths
+
+EXPORT_MARKER = "policy.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    """How the user named it: base, latest or step_N."""
+    step: int
+    """Optimizer steps behind it (0 = the base model)."""
+    kind: str
+    """base (the model at model.path), full (a complete HF model at `path`) or lora (an adapter at `path`)."""
+    path: Path | None
+
+
+def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
+    """adapter_config.json of an adapter trained with `lora` (what vLLM and peft read)."""
+    return {
+        "peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "target_modules": list(lora.target_modules), "bias": "none", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+    }
+
+
+def save_policy(target: Path, tensors: list, kind: str, base_model: str, lora: LoraConfig, step: int) -> None:
+    """Write an export of `tensors` ((name, tensor) pairs as broadcast to the generators) to `target`."""
+    from safetensors.torch import save_file
+
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors}
+    if kind == "lora":
+        save_file(state, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_adapter_config(lora, base_model)))
+    else:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for source in Path(base_model).iterdir():  # config, generation config, tokenizer files
+            if source.is_file() and not source.name.endswith(_WEIGHT_SUFFIXES) and not source.name.endswith(".index.json"):
+                shutil.copy2(source, tmp / source.name)
+    (tmp / EXPORT_MARKER).write_text(json.dumps({"step": step, "kind": kind, "base_model": base_model}))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def available(paths: RunPaths) -> dict[int, Path]:
+    """Complete policy exports of the run, by step."""
+    return {step: path for step, path in sorted(paths.policy_steps().items()) if (path / EXPORT_MARKER).is_file()}
+
+
+def resolve_checkpoint(paths: RunPaths, name: str) -> Policy:
+    """The policy `name` (base, latest, step_N) of the run at `paths`; UserError naming what exists."""
+    if name == "base" or name == "step_0":
+        return Policy(name, 0, "base", None)
+    exports = available(paths)
+    where = paths.weights
+    have = ", ".join(["base"] + [f"step_{s}" for s in exports]) + (f" (latest = step_{max(exports)})" if exports else "")
+    if name == "latest":
+        if not exports:
+            raise UserError(f"--checkpoint latest: no policy exported yet under {where}; available: {have}")
+        step = max(exports)
+    else:
+        if not (name.startswith("step_") and name[5:].isdigit()):
+            raise UserError(f"--checkpoint {name!r}: expected base, latest or step_N")
+        step = int(name[5:])
+        if step not in exports:
+            raise UserError(f"--checkpoint {name}: no complete export at {where}/{name}; available: {have}")
+    meta = json.loads((exports[step] / EXPORT_MARKER).read_text())
+    return Policy(name, step, meta["kind"], exports[step])

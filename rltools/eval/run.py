@@ -1,0 +1,48 @@
+"""`rltools eval`: avg@k / pass@k of one policy of a run, computed in this process with vLLM.
+
+Invariant: the numbers are the generator's own evaluation (rltools.generate.loop.evaluate: same
+problems, same per-problem seeds, same verifier) on the policy `resolve_checkpoint` names, so
+`--checkpoint step_N` reproduces what the run recorded in eval/step_N.json for the same k.
+"""
+
+import os
+from pathlib import Path
+
+from ..config.schema import RLConfig
+from ..paths import RunPaths
+from .checkpoints import Policy, resolve_checkpoint
+
+
+def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None, problems: int | None = None,
+             paths: RunPaths | None = None) -> dict:
+    """Evaluate policy `checkpoint` (base, latest, step_N) of the run at `paths` (default: config.run.dir);
+    k and problems default to eval.k and eval.problems. Returns the summary (keys avg_at_k, stderr, k,
+    pass_at_k, pass_at_1, n_problems, per_problem_accuracy, token statistics, checkpoint, step)."""
+    policy = resolve_checkpoint(paths or RunPaths(config.run.dir), checkpoint)
+    for name, value in config.cluster.environment.items():  # the environment the run's roles had
+        os.environ.setdefault(name, value)
+    from ..data.tasks import make_task
+    from ..generate.loop import evaluate
+
+    task = make_task(config.data, config.reward, config.run.seed)
+    try:
+        engine = open_policy(config, policy)
+        summary = evaluate(engine, task, config, k=k, count=problems)
+    finally:
+        task.reward.close()
+    return {"checkpoint": policy.name, "step": policy.step, **summary}
+
+
+def open_policy(config: RLConfig, policy: Policy):
+    """A VLLMEngine serving `policy` the way the run's generators served it."""
+    from ..generate.vllm_engine import VLLMEngine
+
+    if policy.kind == "full":
+        model = config.model.model_copy(update={"path": str(policy.path)})
+        return VLLMEngine(model, config.generator, config.run.seed, config.lora)
+    engine = VLLMEngine(config.model, config.generator, config.run.seed, config.lora)
+    if policy.kind == "lora":
+        from vllm.lora.request import LoRARequest
+
+        engine.lora_request = LoRARequest(f"eval-step-{policy.step}", 1, str(Path(policy.path)))
+    return engine

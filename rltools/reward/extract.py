@@ -1,0 +1,84 @@
+"""Answer extraction for integer-answer math (AIME-style): pure string functions, no imports beyond `re`.
+
+Invariants:
+- Every function here never raises and costs microseconds whatever its input: the completion is
+  cut to its last TAIL_CHARS characters first (the final answer is at the end), brace matching is
+  one linear scan, and a candidate longer than MAX_INTEGER_CHARS is not an answer.
+- An answer counts only if its text is an integer after removing presentation: `$`, `\\text{..}`
+  (and \\textbf, \\mathrm, \\mathbf), surrounding spaces, a trailing period, leading zeros
+  ("025" -> 25). "12.5", "1/2", "1 2", "x=3", "10^{100}" are not integers and score 0.
+"""
+
+import re
+
+TAIL_CHARS = 4096
+MAX_INTEGER_CHARS = 24  # 999 needs 3; a longer "number" is garbage, not an answer
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
+_BRACE = re.compile(r"[{}]")
+_INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would accept "８１" too
+_ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last balanced \\boxed{...} in the tail of `text` (nested braces kept), else None.
+
+    An unclosed last box (a truncated completion) falls back to the previous complete one.
+    """
+    if not isinstance(text, str):
+        return None
+    tail = text[-TAIL_CHARS:]
+    starts = [m.end() for m in _BOXED.finditer(tail)]
+    if not starts:
+        return None
+    closing = _matching_braces(tail)
+    for start in reversed(starts):
+        end = closing.get(start - 1)
+        if end is not None:
+            return tail[start:end]
+    return None
+
+
+def _matching_braces(text: str) -> dict[int, int]:
+    """Position of each balanced `{` -> position of its `}`; one pass over the braces only."""
+    open_at: list[int] = []
+    closing = {}
+    for match in _BRACE.finditer(text):
+        if match.group() == "{":
+            open_at.append(match.start())
+        elif open_at:
+            closing[open_at.pop()] = match.start()
+    return closing
+
+
+def answer_line(text: str) -> str | None:
+    """What follows the last `Answer:` (DAPO style, case-insensitive) up to the end of its line."""
+    if not isinstance(text, str):
+        return None
+    matches = _ANSWER_LINE.findall(text[-TAIL_CHARS:])
+    return matches[-1] if matches else None
+
+
+def parse_integer(candidate: str | None) -> int | None:
+    """The integer `candidate` spells once presentation is removed, else None."""
+    if candidate is None:
+        return None
+    text = candidate[:256]
+    for _ in range(3):  # \text{\textbf{7}} and the like
+        text = _WRAPPER.sub(r"\1", text)
+    text = text.replace("$", "").replace("\\!", "").strip()
+    text = text.removesuffix(".").strip().removeprefix("{").removesuffix("}").strip()
+    if len(text) > MAX_INTEGER_CHARS or not _INTEGER.fullmatch(text):
+        return None
+    return int(text)
+
+
+def integer_answer(answer) -> int | None:
+    """A reference answer as an integer ("025" -> 25, 25 -> 25, 25.0 -> 25), else None."""
+    if isinstance(answer, bool):
+        return None
+    if isinstance(answer, int):
+        return answer
+    if isinstance(answer, float):
+        return int(answer) if answer.is_integer() else None
+    return parse_integer(str(answer)) if isinstance(answer, str) else None

@@ -1,0 +1,79 @@
+"""The reward types of `reward.type` and the factory that picks one (see rltools/reward/__init__.py)."""
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..config.schema import RewardConfig
+from ..data import arithmetic
+from ..errors import UserError
+from .extract import TAIL_CHARS, answer_line, last_boxed, parse_integer
+from .pool import TimeoutPool, default_workers
+
+MATH_VERIFY = "rltools.reward.math:math_verify_score"
+INTEGER_TYPES = ("exact_integer", "boxed_integer", "answer_line")
+
+
+def boxed_integer(completion: str, answer: int) -> float:
+    """1.0 iff the last balanced \\boxed{...} of the completion's tail spells `answer`."""
+    value = parse_integer(last_boxed(completion))
+    return 1.0 if value is not None and value == answer else 0.0
+
+
+def answer_line_integer(completion: str, answer: int) -> float:
+    """1.0 iff the last 'Answer: N' line (DAPO style) spells `answer`."""
+    value = parse_integer(answer_line(completion))
+    return 1.0 if value is not None and value == answer else 0.0
+
+
+INLINE: dict[str, Callable[[str, int], float]] = {
+    "exact_integer": arithmetic.reward,
+    "boxed_integer": boxed_integer,
+    "answer_line": answer_line_integer,
+}
+
+
+class Reward:
+    """Scores completions; `close` releases worker processes (a no-op for inline verifiers)."""
+
+    def score(self, completions: Sequence[str], answers: Sequence) -> list[float]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class InlineReward(Reward):
+    function: Callable[[str, int], float]
+
+    def score(self, completions: Sequence[str], answers: Sequence) -> list[float]:
+        return [self.function(c, a) for c, a in zip(completions, answers, strict=True)]
+
+
+@dataclass
+class PooledReward(Reward):
+    pool: TimeoutPool
+    tail_only: bool
+    """Send only the completion's last TAIL_CHARS characters (math_verify reads the final answer)."""
+
+    def score(self, completions: Sequence[str], answers: Sequence) -> list[float]:
+        texts = [c[-TAIL_CHARS:] if self.tail_only and isinstance(c, str) else c for c in completions]
+        return self.pool.map(list(zip(texts, answers, strict=True)))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def make_reward(config: RewardConfig) -> Reward:
+    if config.type in INLINE:
+        return InlineReward(INLINE[config.type])
+    reference = MATH_VERIFY if config.type == "math_verify" else config.function
+    if config.type == "math_verify":
+        from .math import require_math_verify
+
+        require_math_verify()
+    try:
+        pool = TimeoutPool(reference, config.timeout_s, config.workers or default_workers())
+    except ValueError as err:
+        raise UserError(f"reward.type {config.type}: {err}") from None
+    return PooledReward(pool, tail_only=config.type == "math_verify")

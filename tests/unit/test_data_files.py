@@ -1,0 +1,111 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rltools.config.schema import DataConfig, RewardConfig
+from rltools.data.files import load_problems
+from rltools.data.order import Cursor, DataOrder
+from rltools.data.tasks import make_task
+from rltools.errors import UserError
+from tests.unit.aime_fixture import PROBLEMS, write_jsonl
+
+TEMPLATE = "{prompt}\n\nPut your final answer within \\boxed{{}}."
+
+
+def load(path, kind="jsonl", integer=True, dedupe=True, template="{prompt}", prompt_key="problem", answer_key="answer"):
+    return load_problems(path, kind, prompt_key, answer_key, template, dedupe, integer)
+
+
+def test_jsonl_problems_with_template_and_integer_answers(tmp_path):
+    write_jsonl(tmp_path / "aime.jsonl")
+    problems = load(tmp_path / "aime.jsonl", template=TEMPLATE)
+    assert [p.answer for p in problems] == [25, 1, 42, 18, 400]
+    assert problems[0].prompt == PROBLEMS[0]["problem"] + "\n\nPut your final answer within \\boxed{}."
+
+
+def test_parquet_reads_like_jsonl(tmp_path):
+    write_jsonl(tmp_path / "aime.jsonl")
+    pq.write_table(pa.Table.from_pylist([{**r, "answer": str(r["answer"])} for r in PROBLEMS]), tmp_path / "aime.parquet")
+    assert load(tmp_path / "aime.parquet", kind="parquet") == load(tmp_path / "aime.jsonl")
+
+
+def test_dedupe_keeps_the_first_of_each_repeated_problem(tmp_path):
+    write_jsonl(tmp_path / "aime.jsonl", repeat=32)  # like the public copy that repeats every problem 32 times
+    assert len(load(tmp_path / "aime.jsonl")) == len(PROBLEMS)
+    assert len(load(tmp_path / "aime.jsonl", dedupe=False)) == 32 * len(PROBLEMS)
+
+
+def test_text_answers_stay_text_for_non_integer_rewards(tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"problem": "Simplify 2/4.", "answer": "\\frac{1}{2}"}) + "\n")
+    assert load(tmp_path / "p.jsonl", integer=False)[0].answer == "\\frac{1}{2}"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds no problems"),
+    ("\n\n", "holds no problems"),
+    ('{"problem": "a", "answer": 1}\n{"problem": "b", "answer": 2\n', "p.jsonl:2: not valid JSON"),
+    ('[1, 2]\n', "p.jsonl:1: expected a JSON object"),
+    ('{"problem": "a", "answer": 1}\n{"question": "b", "answer": 2}\n', "p.jsonl:2: no key 'problem'"),
+    ('{"problem": "a", "solution": 1}\n', "p.jsonl:1: no key 'answer'"),
+    ('{"problem": "a", "answer": "one half"}\n', "p.jsonl:1: 'answer' is 'one half', not an integer"),
+    ('{"problem": 7, "answer": 1}\n', "p.jsonl:1: 'problem' must be non-empty text"),
+])
+def test_bad_input_names_the_file_line_and_key(tmp_path, content, message):
+    (tmp_path / "p.jsonl").write_text(content)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load(tmp_path / "p.jsonl")
+
+
+def test_missing_file_and_broken_parquet_and_template(tmp_path):
+    with pytest.raises(UserError, match="no such data file"):
+        load(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(UserError, match="bad.parquet: not a readable Parquet file"):
+        load(tmp_path / "bad.parquet", kind="parquet")
+    write_jsonl(tmp_path / "aime.jsonl")
+    with pytest.raises(UserError, match="data.prompt_template"):
+        load(tmp_path / "aime.jsonl", template="{prompt} \\boxed{}")
+
+
+def test_each_epoch_is_a_permutation_and_orders_differ():
+    order = DataOrder(10, seed=3)
+    assert sorted(order.permutation(0)) == list(range(10))
+    assert order.permutation(0) != order.permutation(1)
+    assert DataOrder(10, seed=3).permutation(1) == order.permutation(1)  # pure function of (seed, epoch, size)
+    assert DataOrder(10, seed=4).permutation(0) != order.permutation(0)
+
+
+def test_cursor_resumes_exactly_and_crosses_epochs():
+    order = DataOrder(7, seed=0)
+    straight, cursor = order.take(Cursor(), 20)
+    first, saved = order.take(Cursor(), 9)
+    resumed, end = DataOrder(7, seed=0).take(Cursor.from_dict(json.loads(json.dumps(saved.to_dict()))), 11)
+    assert first + resumed == straight and end == cursor == Cursor(2, 6)
+    assert straight[:7] == order.permutation(0) and straight[7:14] == order.permutation(1)
+    assert order.cursor_at(step=3, count=3) == saved == Cursor(1, 2)
+
+
+def test_file_task_steps_are_a_pure_function_of_the_step(tmp_path):
+    write_jsonl(tmp_path / "aime.jsonl")
+    data = DataConfig(type="jsonl", train_path=str(tmp_path / "aime.jsonl"), eval_path=str(tmp_path / "aime.jsonl"))
+    task = make_task(data, RewardConfig(type="boxed_integer"), seed=1)
+    again = make_task(data, RewardConfig(type="boxed_integer"), seed=1)
+    steps = [task.train_problems(step, 2) for step in range(5)]  # 10 problems: two epochs of 5
+    assert [again.train_problems(step, 2) for step in reversed(range(5))] == steps[::-1]
+    first_epoch = [p.answer for s in steps[:2] for p in s] + [steps[2][0].answer]
+    assert sorted(first_epoch) == [1, 18, 25, 42, 400]  # every problem once per epoch
+    assert task.cursor_after(4, 2) == Cursor(2, 0)
+    assert task.eval_problems(3) == task.eval[:3] and [p.answer for p in task.eval] == [25, 1, 42, 18, 400]
+    assert task.reward.score(["so \\boxed{025}."], [25]) == [1.0]
+
+
+def test_file_data_needs_both_paths():
+    with pytest.raises(ValueError, match="data.eval_path"):
+        DataConfig(type="jsonl", train_path="train.jsonl")
+
+
+def test_arithmetic_needs_exact_integer():
+    with pytest.raises(UserError, match="exact_integer"):
+        make_task(DataConfig(), RewardConfig(type="boxed_integer"), seed=0)

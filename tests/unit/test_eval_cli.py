@@ -1,0 +1,28 @@
+"""`rltools eval` argument handling: bad input is refused before any heavy import (vLLM, torch)."""
+
+from tests.unit.test_cli import run_light
+
+
+def test_eval_names_the_checkpoints_that_exist(repo, tmp_path):
+    run_dir = tmp_path / "run"
+    rendered = run_light("render", str(repo / "configs/demo.yaml"), "--set", f"run.dir={run_dir}", cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    result = run_light("eval", str(run_dir), "--checkpoint", "latest", cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"no policy exported yet under {run_dir}/weights; available: base" in result.stderr
+    result = run_light("eval", str(run_dir), "--checkpoint", "step_7", cwd=tmp_path)
+    assert result.returncode == 2 and "step_7: no complete export" in result.stderr
+
+
+def test_eval_refuses_overrides_of_a_run_directory_and_bad_k(repo, tmp_path):
+    run_dir = tmp_path / "run"
+    run_light("render", str(repo / "configs/demo.yaml"), "--set", f"run.dir={run_dir}", cwd=tmp_path)
+    result = run_light("eval", str(run_dir), "--set", "eval.k=4", cwd=tmp_path)
+    assert result.returncode == 2 and "--set applies to a CONFIG file" in result.stderr
+    result = run_light("eval", str(repo / "configs/demo.yaml"), "--k", "0", cwd=tmp_path)
+    assert result.returncode == 2 and "--k must be >= 1" in result.stderr
+
+
+def test_eval_of_a_config_without_a_run_has_only_base(repo, tmp_path):
+    result = run_light("eval", str(repo / "configs/demo.yaml"), "--set", f"run.dir={tmp_path}/none", cwd=tmp_path)
+    assert result.returncode == 2 and f"no policy exported yet under {tmp_path}/none/weights" in result.stderr

@@ -1,0 +1,159 @@
+import time
+
+import pytest
+
+from rltools.config.schema import RewardConfig
+from rltools.errors import UserError
+from rltools.reward import make_reward
+from rltools.reward.extract import TAIL_CHARS, integer_answer, last_boxed, parse_integer
+from rltools.reward.pool import TimeoutPool
+from rltools.reward.verifiers import answer_line_integer, boxed_integer
+
+ADVERSARIAL = [
+    "",
+    "\\boxed{}",
+    "\\boxed{",
+    "}}}}\\boxed{{{{",
+    "\\boxed{1}\\boxed{2}\\boxed{3",
+    "\\boxed{\\boxed{\\boxed{7}}}",
+    "\\boxed{" + "{" * 50_000 + "}" * 50_000 + "}",
+    "\\boxed{" * 20_000,
+    "x" * 100_000,
+    ("\\boxed{1}" + "é∑😀\u202e" * 25_000),
+    "\\boxed{9^{9^{9^{9}}}}",
+    "\\boxed{" + "9" * 10_000 + "}",
+    "\\boxed{１２３}",  # fullwidth digits are not ASCII digits
+    "\x00\\boxed{\x00}",
+    "Answer: " + "1" * 5000,
+]
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
+def test_integer_verifiers_give_a_verdict_quickly_on_hostile_text(text):
+    start = time.perf_counter()
+    for verifier in (boxed_integer, answer_line_integer):
+        assert verifier(text, 7) in (0.0, 1.0)
+    assert time.perf_counter() - start < 0.05
+
+
+def test_the_last_balanced_box_wins():
+    assert boxed_integer("first \\boxed{12} then \\boxed{25}", 25) == 1.0
+    assert boxed_integer("first \\boxed{25} then \\boxed{12}", 25) == 0.0
+    assert boxed_integer("\\boxed{25} and a truncated \\boxed{3", 25) == 1.0  # unclosed: the previous box
+    assert last_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"  # nested braces kept whole
+    assert boxed_integer("\\boxed{\\boxed{7}}", 7) == 1.0
+
+
+@pytest.mark.parametrize(
+    "text", ["\\boxed{25}", "$\\boxed{25}$", "\\boxed{025}", "\\boxed{\\text{25}}", "\\boxed{25}.", "\\boxed{25.}",
+             "\\boxed{ 25 }", "\\boxed{$25$}", "\\fbox{25}", "\\boxed {25}", "\\boxed{\\textbf{25}}"],
+)
+def test_presentation_around_the_integer_is_tolerated(text):
+    assert boxed_integer(text, 25) == 1.0
+
+
+@pytest.mark.parametrize("text", ["\\boxed{25.5}", "\\boxed{1/2}", "\\boxed{2 5}", "\\boxed{x=25}", "\\boxed{}",
+                                  "25", "\\boxed{10^{2}}", "\\boxed{２５}"])
+def test_what_is_not_an_integer_scores_zero(text):
+    assert boxed_integer(text, 25) == 0.0
+
+
+def test_only_the_tail_is_read():
+    assert boxed_integer("\\boxed{25}" + " " * TAIL_CHARS, 25) == 0.0
+    assert boxed_integer(" " * 10 * TAIL_CHARS + "\\boxed{25}", 25) == 1.0
+
+
+def test_answer_line_takes_the_last_one():
+    assert answer_line_integer("Answer: 3\nsome more thought\nAnswer: 025\n", 25) == 1.0
+    assert answer_line_integer("the answer: $25$.", 25) == 1.0
+    assert answer_line_integer("Answer: 25 apples", 25) == 0.0
+    assert answer_line_integer("no line here", 25) == 0.0
+
+
+def test_reference_answers_normalise():
+    assert [integer_answer(a) for a in ("025", 25, 25.0, " 7 ", "x", 2.5, True, None)] == [25, 25, 25, 7, None, None, None, None]
+    assert parse_integer(None) is None
+
+
+def test_integer_verifiers_cost_microseconds():
+    texts = ["Let me think. " * 200 + f"So the answer is \\boxed{{{i:03d}}}." for i in range(1000)]
+    reward = make_reward(RewardConfig(type="boxed_integer"))
+    start = time.perf_counter()
+    scores = reward.score(texts, list(range(1000)))
+    per_call = (time.perf_counter() - start) / len(texts)
+    assert scores == [1.0] * 1000
+    assert per_call < 200e-6, f"{per_call * 1e6:.1f} us a call"
+
+
+def test_pool_survives_hangs_errors_crashes_and_junk():
+    pool = TimeoutPool("tests.unit.reward_fns:hang", timeout_s=0.5, workers=2)
+    try:
+        start = time.perf_counter()
+        assert pool.map([("a", 1)] * 3) == [0.0, 0.0, 0.0]
+        assert time.perf_counter() - start < 0.5 * 2 + 10  # ceil(3 / 2) deadlines + worker restarts
+        assert pool.timeouts == 3
+    finally:
+        pool.close()
+    for name in ("raise_error", "crash", "not_a_number"):
+        pool = TimeoutPool(f"tests.unit.reward_fns:{name}", timeout_s=5, workers=1)
+        try:
+            assert pool.map([("a", 1), ("b", 2)]) == [0.0, 0.0], name
+        finally:
+            pool.close()
+
+
+def test_pool_returns_results_in_order():
+    pool = TimeoutPool("tests.unit.reward_fns:length_is_answer", timeout_s=5, workers=2)
+    try:
+        calls = [("x" * i, 3) for i in range(8)]
+        assert pool.map(calls) == [1.0 if i == 3 else 0.0 for i in range(8)]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("function, message", [
+    ("tests.unit.reward_fns:missing", "has no attribute 'missing'"),
+    ("tests.unit.no_such_module:f", "No module named"),
+    ("tests.unit.reward_fns:NOT_CALLABLE", "not callable"),
+    ("no_colon", "expected 'module:function'"),
+])
+def test_custom_reward_that_cannot_load_is_a_user_error(function, message):
+    with pytest.raises(UserError, match=message):
+        make_reward(RewardConfig(type="custom", function=function, workers=1))
+
+
+def test_custom_reward_runs_the_users_function():
+    reward = make_reward(RewardConfig(type="custom", function="rltools.data.arithmetic:reward", workers=1))
+    try:
+        assert reward.score(["81", "18", "\\boxed{81}"], [81, 81, 81]) == [1.0, 0.0, 0.0]
+    finally:
+        reward.close()
+
+
+def test_math_verify_checks_equivalence_and_times_out_on_towers():
+    pytest.importorskip("math_verify", reason="math-verify is an optional extra: pip install 'rltools[math]'")
+    reward = make_reward(RewardConfig(type="math_verify", timeout_s=3.0, workers=2))
+    try:
+        assert reward.score(["so \\boxed{\\frac{1}{2}}", "so \\boxed{0.5}", "\\boxed{3}"], ["1/2", "\\frac12", "1/2"]) == [1.0, 1.0, 0.0]
+        start = time.perf_counter()
+        scores = reward.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{}", "x" * 100_000], ["1", "1", "1"])
+        assert scores == [0.0, 0.0, 0.0]
+        assert time.perf_counter() - start < 3.0 * 2 + 15
+    finally:
+        reward.close()
+
+
+def test_pool_works_from_a_script_without_a_main_guard(tmp_path):
+    # multiprocessing's spawn re-runs such a script in every worker and fails; fresh interpreters do not.
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "from rltools.config.schema import RewardConfig\nfrom rltools.reward import make_reward\n"
+        "r = make_reward(RewardConfig(type='custom', function='rltools.data.arithmetic:reward', workers=1))\n"
+        "print(r.score(['81', '7'], [81, 81]))\nr.close()\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[1.0, 0.0]"
