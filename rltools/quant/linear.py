@@ -56,16 +56,21 @@ def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we load the packed tensors ourselves; transformers must not
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():  # parameters on the meta device (no dense base in memory), buffers real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     quantized = {name.rsplit(".", 1)[0] for name in state if name.endswith(".weight_packed")}
     for name in quantized:
         parent, _, leaf = name.rpartition(".")
         old = model.get_submodule(name)
         setattr(model.get_submodule(parent), leaf, NVFP4Linear(old.in_features, old.out_features, old.bias is not None, dtype=dtype))
     dense = {n: (t if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES else t.to(dtype)) for n, t in state.items()}
-    missing, unexpected = model.load_state_dict(dense, strict=False)
+    missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
     if unexpected or [m for m in missing if not _tied(model, m)]:
         raise ValueError(f"{model_path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    assert not any(p.is_meta for p in model.parameters()), "a parameter was left on the meta device"
     model.requires_grad_(False)  # the base is frozen: LoRA adapters (added after) are the only trainables
     return model
 
