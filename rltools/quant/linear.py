@@ -2,9 +2,11 @@
 dequantises it on the fly in forward; and the loading of an HF model with such layers.
 
 Invariants:
-- The packed weight, block scales and global scale are buffers: no gradient, never touched by the
-  optimizer, and named as in the checkpoint (`weight_packed`, `weight_scale`, `weight_global_scale`)
-  so the state dict loads and exports without renaming.
+- The packed weight and block scales are frozen parameters (requires_grad False: no gradient, not
+  in the optimizer) so that FSDP2 shards them like any weight — each rank holds 1/N of the packed
+  base at rest and gathers one layer at a time; the one-element global scale is a buffer. All are
+  named as in the checkpoint (`weight_packed`, `weight_scale`, `weight_global_scale`), so the state
+  dict loads and exports without renaming.
 - Forward computes with `nvfp4.dequantize(...)` cast to the input's dtype: the same values the CPU
   generator is given (`checkpoint.write_dequantized`).
 - LoRA goes on top through peft (`lora_custom_modules`): peft wraps any module that has
@@ -23,12 +25,10 @@ class NVFP4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer(
-            "weight_scale", torch.zeros(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, device=device)
-        )
+        self.weight_packed = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.weight_scale = _frozen(torch.zeros(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = _frozen(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -43,6 +43,10 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:

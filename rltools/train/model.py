@@ -74,7 +74,7 @@ def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple
     if any(name.endswith(".weight_packed") for name in state):
         from ..quant.checkpoint import dequantized_state
 
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())  # the compute dtype
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not FP8
         state = dict(dequantized_state(iter(state.items()), dtype))
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
@@ -106,9 +106,20 @@ def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: all-gather the shards
-            tensor = tensor.full_tensor()
+            tensor = _gather(tensor)
         state[_clean(name)] = tensor.detach()
     return state
+
+
+def _gather(tensor) -> torch.Tensor:
+    """All-gather a DTensor; FP8 ones (NVFP4 block scales) travel as bytes, which gloo can carry."""
+    if tensor.element_size() != 1 or tensor.dtype == torch.uint8:
+        return tensor.full_tensor()
+    from torch.distributed.tensor import DTensor
+
+    as_bytes = DTensor.from_local(tensor.to_local().view(torch.uint8), tensor.device_mesh, tensor.placements,
+                                  shape=tensor.shape, stride=tensor.stride())
+    return as_bytes.full_tensor().view(tensor.dtype)
 
 
 def _clean(name: str) -> str:

@@ -26,12 +26,16 @@ def nvfp4(path, dtype="float32") -> ModelConfig:
     return ModelConfig(path=str(path), dtype=dtype, quantization="nvfp4")
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t  # torch.equal has no FP8 kernel
+
+
 def test_lora_gradients_flow_only_into_adapters(tiny_model):
     model = load_policy(nvfp4(tiny_model), NVFP4_LORA)
     q_proj = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
     assert isinstance(q_proj.base_layer, NVFP4Linear)
-    packed_before = {n: b.clone() for n, b in model.named_buffers() if ".weight_" in n}
-    params_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    packed_before = {n: t.clone() for n, t in model.state_dict().items() if ".weight_" in n}
+    params_before = {n: as_bytes(p.detach().clone()) for n, p in model.named_parameters()}
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     # 4.5 bits per quantised parameter in memory
     bits = sum(8 * b.numel() * b.element_size() for b in packed_before.values())
@@ -46,10 +50,10 @@ def test_lora_gradients_flow_only_into_adapters(tiny_model):
     trainer = Trainer(model, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=4, max_new_tokens=6, pad_id=0,
                       device=torch.device("cpu"))
     assert trainer.step(synthetic_batch(seed=1))["grad_norm"] > 0
-    for name, buffer in model.named_buffers():
+    for name, tensor in model.state_dict().items():
         if name in packed_before:
-            assert torch.equal(buffer.view(torch.uint8), packed_before[name].view(torch.uint8))
-    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), params_before[n])}
+            assert torch.equal(as_bytes(tensor), as_bytes(packed_before[name]))
+    changed = {n for n, p in model.named_parameters() if not torch.equal(as_bytes(p.detach()), params_before[n])}
     assert changed and all("lora_" in n for n in changed)
 
 
@@ -66,8 +70,12 @@ def test_fsdp2_two_ranks_match_one_rank_on_an_nvfp4_base(tiny_model, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     for name, tensor in single["weights"].items():
         torch.testing.assert_close(sharded["weights"][name], tensor, rtol=1e-4, atol=1e-6)
+    # FSDP2 shards the packed weights and scales too: each rank holds half of them at rest
+    for name, numel in single["local_numel"].items():
+        if name.endswith((".weight_packed", ".weight_scale")):
+            assert sharded["local_numel"][name] == numel // 2, name
     # k_proj has no adapter (LORA targets q, v, down): its export is the dequantised packed base,
-    # bitwise, on both sides: the packed buffers survived sharding untouched
+    # bitwise, on both sides: the packed weights survived sharding and gathering untouched
     dense = dict(served_weights(tiny_model))
     k = "model.layers.1.self_attn.k_proj.weight"
     assert torch.equal(sharded["weights"][k], dense[k]) and torch.equal(single["weights"][k], dense[k])

@@ -116,7 +116,8 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str,
     metrics = [trainer.step(synthetic_batch(seed=s)) for s in range(2)]
     weights = dict(export_weights(model, LORA.alpha / LORA.rank))
     if rank == 0:
-        torch.save({"weights": weights, "metrics": metrics}, out)
+        local = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
+        torch.save({"weights": weights, "metrics": metrics, "local_numel": local}, out)
     if world > 1:
         dist.destroy_process_group()
 
