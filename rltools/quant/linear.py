@@ -52,6 +52,7 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
 def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:
     """The HF causal LM of `model_path` with its quantised linears as NVFP4Linear (the checkpoint's,
     or quantised now if `model_path` is a plain checkpoint: see `checkpoint.load_nvfp4_state`)."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .checkpoint import load_nvfp4_state
@@ -60,8 +61,6 @@ def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we load the packed tensors ourselves; transformers must not
-    from accelerate import init_empty_weights
-
     with init_empty_weights():  # parameters on the meta device (no dense base in memory), buffers real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     quantized = {name.rsplit(".", 1)[0] for name in state if name.endswith(".weight_packed")}
@@ -89,6 +88,6 @@ def lora_custom_modules() -> dict:
 
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    # peft warns about every custom layer type; this one is tested (tests/unit/test_nvfp4_lora.py).
+    # peft warns about every custom layer type; this one is tested (tests/integration/test_nvfp4.py).
     warnings.filterwarnings("ignore", message="Unsupported layer type .*NVFP4Linear")
     return {NVFP4Linear: LoraLinear}

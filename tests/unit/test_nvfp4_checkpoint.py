@@ -131,3 +131,21 @@ def test_ignore_patterns_and_refusals(tmp_path):
     (tmp_path / "x" / "f").write_text("")
     assert main(["quantize", str(TINY), "-o", str(tmp_path / "x"), "--quiet"]) == 2
     assert main(["quantize", str(tmp_path / "none"), "-o", str(tmp_path / "y"), "--quiet"]) == 2
+
+
+def test_bf16_source(tmp_path):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "bf16"
+    src.mkdir()
+    save_file({n: t.to(torch.bfloat16) for n, t in tensors(TINY).items()}, str(src / "model.safetensors"))
+    (src / "config.json").write_text((TINY / "config.json").read_text())
+    summary = quantize_checkpoint(src, tmp_path / "q", progress=False)
+    assert summary.quantized_bytes_before == summary.quantized_bytes_bf16
+    assert summary.total_bytes_before == sum(t.numel() * 2 for t in tensors(TINY).values())
+    state = tensors(tmp_path / "q")
+    p = "model.layers.0.mlp.gate_proj"
+    w = tensors(src)[f"{p}.weight"].float()
+    dq = dequantize(state[f"{p}.weight_packed"], state[f"{p}.weight_scale"], state[f"{p}.weight_global_scale"])
+    assert (dq - w).norm() / w.norm() < 0.12
+    assert state["model.norm.weight"].dtype == torch.bfloat16
