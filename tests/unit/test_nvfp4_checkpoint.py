@@ -54,6 +54,7 @@ def test_names_dtypes_and_config_are_what_vllm_reads(quantized):
         assert f"model.layers.{layer}.mlp.down_proj" in config["ignore"]
     assert {"lm_head", "model.embed_tokens"} <= set(config["ignore"])
     assert state["model.norm.weight"].dtype == torch.float32
+    assert (quantized / "model.safetensors").stat().st_mode == (TINY / "config.json").stat().st_mode
     for side in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (quantized / side).read_bytes() == (TINY / side).read_bytes()
 
