@@ -98,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (handoff, weights, step, generate):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
         sub.set_defaults(func=cmd_bench)
+
+    quant = commands.add_parser("quantize", help="convert a Hugging Face checkpoint to NVFP4 (compressed-tensors)")
+    quant.add_argument("model_dir", type=Path, help="Hugging Face model directory (safetensors, bf16/fp16/fp32)")
+    quant.add_argument("-o", "--output", type=Path, required=True, help="new output directory")
+    quant.add_argument("--format", choices=["nvfp4"], default="nvfp4", help="target format (default: nvfp4)")
+    quant.add_argument(
+        "--ignore", action="append", default=[], metavar="PATTERN",
+        help="keep matching linear layers in high precision: a module name or re:REGEX (repeatable); "
+        "embeddings, lm_head, norms and routers are always kept",
+    )
+    quant.add_argument("--shard-gb", type=float, default=1.0, help="output shard size in GB (default 1)")
+    quant.add_argument("--quiet", action="store_true", help="no progress bar")
+    quant.set_defaults(func=cmd_quantize)
     return parser
 
 
@@ -304,6 +317,23 @@ def cmd_bench(args) -> int:
             f"{result['ours_gb_s']} GB/s, one contiguous buffer {result['reference_gb_s']} GB/s, ratio {result['ratio']}"
         )
     print(json.dumps(result) if args.json else summary)
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    if not (args.model_dir / "config.json").exists():
+        raise UserError(f"{args.model_dir}: not a Hugging Face model directory (no config.json)")
+    from .quant.checkpoint import quantize_checkpoint
+
+    try:
+        summary = quantize_checkpoint(
+            args.model_dir, args.output, ignore=args.ignore, shard_bytes=int(args.shard_gb * 1e9), progress=not args.quiet
+        )
+    except ValueError as err:
+        raise UserError(str(err)) from err
+    for line in summary.lines():
+        print(line)
+    print(f"wrote {args.output}")
     return 0
 
 

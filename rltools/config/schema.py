@@ -119,6 +119,8 @@ class AlgorithmConfig(Section):
     """Weight of the k3 KL penalty to the reference (base) policy; 0 disables it."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping norm."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling cap C, for generators whose numerics differ from the trainer's (FP4 kernels on GPU): the PPO ratio is taken against the trainer's own logprobs before the update, and each token's loss is weighted by min(exp(trainer - generator logprob), C). null: ratio against the generator's logprobs, no correction."""
 
 
 class GeneratorConfig(Section):

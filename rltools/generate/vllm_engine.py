@@ -9,6 +9,8 @@ Invariants:
 - Logprobs are the *processed* ones (after temperature), i.e. of the distribution actually sampled;
   the trainer scores with the same temperature, so the PPO ratio compares like with like.
 - After every weight update the prefix cache is reset: cached KV of old weights must not be reused.
+- An NVFP4 base (`model.quantization: nvfp4`) is served as `quant.serving` decides: the FP4
+  checkpoint on GPUs, its dequantised copy (the trainer's exact weights) on CPU.
 """
 
 import time
@@ -54,17 +56,31 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
         if generator.weight_sync == "lora":
             kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
-        self.llm = LLM(
-            model=model.path,
-            dtype=model.dtype,
-            seed=seed,
-            tensor_parallel_size=generator.tensor_parallel_size,
-            gpu_memory_utilization=generator.gpu_memory_utilization,
-            enforce_eager=generator.enforce_eager,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="rltools.generate.worker_ext.WeightSyncExtension",
-            **kwargs,
-        )
+        with self._checkpoint(model) as path:
+            self.llm = LLM(
+                model=path,
+                tokenizer=model.path,
+                dtype=model.dtype,
+                seed=seed,
+                tensor_parallel_size=generator.tensor_parallel_size,
+                gpu_memory_utilization=generator.gpu_memory_utilization,
+                enforce_eager=generator.enforce_eager,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls="rltools.generate.worker_ext.WeightSyncExtension",
+                **kwargs,
+            )
+
+    def _checkpoint(self, model: ModelConfig):
+        """The directory vLLM loads: the model's own, or for NVFP4 what `quant.serving` chooses."""
+        from contextlib import nullcontext
+
+        if model.quantization != "nvfp4":
+            return nullcontext(model.path)
+        from vllm.platforms import current_platform
+
+        from ..quant.serving import served_checkpoint
+
+        return served_checkpoint(model.path, on_gpu=not current_platform.is_cpu(), weight_sync=self.config.weight_sync)
 
     def sample(self, prompts: list[str], n: int, seeds: list[int], max_tokens: int | None = None) -> list[PromptResult]:
         from vllm import SamplingParams

@@ -2,7 +2,9 @@
 export of its weights under Hugging Face names for the generators.
 
 Invariant: whatever wraps the model (peft, FSDP2), `export_weights` yields the tensors a plain HF
-model of the same architecture would load — merged base + LoRA delta, HF parameter names.
+model of the same architecture would load — merged base + LoRA delta, HF parameter names. An NVFP4
+base (`model.quantization: nvfp4`) is exported dequantised (`quant.nvfp4.dequantize`) before the
+LoRA delta is added.
 """
 
 import re
@@ -19,11 +21,17 @@ _LORA_WEIGHT = re.compile(r"(.*)\.lora_([AB])\.[^.]+\.weight")
 
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    nvfp4 = model_cfg.quantization == "nvfp4"
+    if nvfp4 and not lora_cfg.enabled:
+        raise ValueError("model.quantization: nvfp4 freezes the base model; set lora.enabled: true to train adapters")
+    if nvfp4:
+        from ..quant.linear import load_nvfp4_model
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_cfg.path, dtype=DTYPES[model_cfg.dtype], local_files_only=True
-    )
+        model = load_nvfp4_model(model_cfg.path, DTYPES[model_cfg.dtype])
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=DTYPES[model_cfg.dtype], local_files_only=True)
     model.config.use_cache = False
     if not lora_cfg.enabled:
         return model
@@ -37,6 +45,10 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> nn.Module:
         target_modules=list(lora_cfg.target_modules),
         bias="none",
     )
+    if nvfp4:
+        from ..quant.linear import lora_custom_modules
+
+        peft_config._register_custom_module(lora_custom_modules())
     return get_peft_model(model, peft_config)
 
 
@@ -59,6 +71,11 @@ def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple
     models sync the LoRA adapters instead.
     """
     state = _full_state_dict(model)
+    if any(name.endswith(".weight_packed") for name in state):
+        from ..quant.checkpoint import dequantized_state
+
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not FP8
+        state = dict(dequantized_state(iter(state.items()), dtype))
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         match = _LORA_WEIGHT.fullmatch(name)
@@ -89,9 +106,20 @@ def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: all-gather the shards
-            tensor = tensor.full_tensor()
+            tensor = _gather(tensor)
         state[_clean(name)] = tensor.detach()
     return state
+
+
+def _gather(tensor) -> torch.Tensor:
+    """All-gather a DTensor; FP8 ones (NVFP4 block scales) travel as bytes, which gloo can carry."""
+    if tensor.element_size() != 1 or tensor.dtype == torch.uint8:
+        return tensor.full_tensor()
+    from torch.distributed.tensor import DTensor
+
+    as_bytes = DTensor.from_local(tensor.to_local().view(torch.uint8), tensor.device_mesh, tensor.placements,
+                                  shape=tensor.shape, stride=tensor.stride())
+    return as_bytes.full_tensor().view(tensor.dtype)
 
 
 def _clean(name: str) -> str:

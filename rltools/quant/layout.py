@@ -1,0 +1,112 @@
+"""Which weights of a Hugging Face checkpoint become NVFP4, and the compressed-tensors config entry
+that tells vLLM so.
+
+Layout: compressed-tensors `nvfp4-pack-quantized`, weight-only (NVFP4A16: activations stay in the
+compute dtype, no calibration data needed). Per quantised linear `P`: `P.weight_packed` (uint8
+[out, in/2]), `P.weight_scale` (float8_e4m3fn [out, in/16]), `P.weight_global_scale` (float32 [1]).
+vLLM maps this to `CompressedTensorsW4A4Fp4(use_a16=True)` (weights NVFP4, input_activations null).
+
+Invariants:
+- Shards that vLLM fuses into one layer (q/k/v, gate/up, w1/w3 of one module) are all quantised or
+  all kept (vLLM refuses a mix), and share one global scale (vLLM keeps only the max of them).
+- Every 2-D weight that is kept in high precision and could be mistaken for a target is listed in
+  the config's `ignore`.
+"""
+
+import re
+from dataclasses import dataclass, field
+
+from .nvfp4 import BLOCK
+
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+# Kept in high precision by default: embeddings, the output head, norms, MoE routers.
+DEFAULT_IGNORE = ("re:.*lm_head$", "re:.*embed.*", "re:.*norm.*", r"re:.*mlp\.gate$", "re:.*router.*")
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+@dataclass
+class QuantPlan:
+    """Module names (no `.weight`) to quantise, grouped by shared global scale, and those kept."""
+
+    groups: list[list[str]] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> set[str]:
+        return {m for group in self.groups for m in group}
+
+    def group_of(self) -> dict[str, int]:
+        return {m: i for i, group in enumerate(self.groups) for m in group}
+
+
+def matches(name: str, patterns) -> bool:
+    """compressed-tensors / vLLM ignore syntax: an exact module name or `re:` + a full-match regex."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], name):
+                return True
+        elif name == pattern:
+            return True
+    return False
+
+
+def plan(shapes: dict[str, tuple[int, ...]], ignore=()) -> QuantPlan:
+    """Decide from tensor names and shapes alone (no data), so a checkpoint streams through."""
+    patterns = DEFAULT_IGNORE + tuple(ignore)
+    linear = {n[: -len(".weight")]: s for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2}
+    wanted = {m for m, (_, d_in) in linear.items() if d_in % BLOCK == 0 and not matches(m, patterns)}
+    groups, seen = [], set()
+    for module in sorted(linear):
+        if module in seen:
+            continue
+        members = _fused_members(module, linear)
+        seen.update(members)
+        if all(m in wanted for m in members):
+            groups.append(members)
+    plan_ = QuantPlan(groups=groups)
+    plan_.kept = sorted(m for m in linear if m not in plan_.quantized)
+    return plan_
+
+
+def _fused_members(module: str, linear: dict) -> list[str]:
+    prefix, _, leaf = module.rpartition(".")
+    for family in FUSED:
+        if leaf in family:
+            return [f"{prefix}.{x}" if prefix else x for x in family if (f"{prefix}.{x}" if prefix else x) in linear]
+    return [module]
+
+
+def quantization_config(plan_: QuantPlan) -> dict:
+    """The `quantization_config` entry of config.json, as llm-compressor writes it for NVFP4A16."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": "nvfp4-pack-quantized",
+                "weights": {
+                    "num_bits": 4,
+                    "type": "float",
+                    "strategy": "tensor_group",
+                    "group_size": BLOCK,
+                    "symmetric": True,
+                    "dynamic": False,
+                    "observer": "minmax",
+                    "scale_dtype": "torch.float8_e4m3fn",
+                    "zp_dtype": None,
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": list(plan_.kept),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+
+
+def is_nvfp4_config(config: dict) -> bool:
+    q = config.get("quantization_config") or {}
+    return q.get("quant_method") == "compressed-tensors" and q.get("format") == "nvfp4-pack-quantized"
