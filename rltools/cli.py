@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override a key of a CONFIG (not of a run directory's config)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    where = evaluate.add_mutually_exclusive_group()
+    where.add_argument("--slurm", dest="where", action="store_const", const="slurm",
+                       help="run as a Slurm job on one generator's resources (default when cluster.launcher is slurm)")
+    where.add_argument("--local", dest="where", action="store_const", const="local",
+                       help="run here, in this process (default when cluster.launcher is local)")
     evaluate.set_defaults(func=cmd_eval)
 
     bench = commands.add_parser("bench", help="measure a data plane against its raw reference")
@@ -254,10 +259,13 @@ def cmd_eval(args) -> int:
     for flag, value in (("--k", args.k), ("--problems", args.problems)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
-    from .eval.run import run_eval  # light itself; vLLM is imported only once the checkpoint is found
+    if (args.where or config.cluster.launcher) == "slurm":
+        result = _eval_on_slurm(config, paths, args)
+    else:
+        from .eval.run import run_eval  # light itself; vLLM is imported only once the checkpoint is found
 
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
-        result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
+            result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -269,6 +277,21 @@ def cmd_eval(args) -> int:
     )
     print(_per_problem(result["per_problem_accuracy"], result["k"]))
     return 0
+
+
+def _eval_on_slurm(config, paths, args) -> dict:
+    import submitit
+
+    from .eval.checkpoints import resolve_checkpoint
+    from .launch.slurm import submit_eval_job
+
+    resolve_checkpoint(paths, args.checkpoint)  # a wrong name fails here, not in the queue
+    job = submit_eval_job(config, paths, args.checkpoint, args.k, args.problems)
+    print(f"submitted eval job {job.job_id} (log: {job.paths.stdout}); waiting for it", file=sys.stderr)
+    try:
+        return job.result()
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+        raise UserError(f"eval job {job.job_id} failed; its log {job.paths.stdout}:\n{err}") from None
 
 
 def _per_problem(accuracy: list[float], k: int) -> str:

@@ -87,7 +87,8 @@ class SqueueWatcher(core.InfoWatcher):
 
 
 class HetJob(submitit.SlurmJob):
-    """A submitit job handle whose state comes from squeue (see the module docstring)."""
+    """A submitit job handle whose state comes from squeue (see the module docstring); it serves the
+    plain eval job as well."""
 
     watcher = SqueueWatcher(delay_s=5)
 
@@ -160,11 +161,12 @@ def _sacct(job_id: str) -> dict:
 def _components(rows) -> dict:
     found = {}
     for row in rows:
-        if len(row) < 4 or "+" not in row[0]:
+        if len(row) < 4 or "." in row[0]:  # a job step, not the job
             continue
-        index = int(row[0].split("+")[1])
+        # a hetjob's components are LEADER+<index>; a plain job (the eval job) is one component
+        name = COMPONENTS.get(int(row[0].split("+")[1]), row[0]) if "+" in row[0] else "job"
         state = row[1].split()[0] if row[1] else "UNKNOWN"  # sacct: "CANCELLED by 0"
-        found[COMPONENTS.get(index, f"component {index}")] = {"state": state, "nodes": row[2], "reason": row[3]}
+        found[name] = {"state": state, "nodes": row[2], "reason": row[3]}
     return found
 
 
@@ -195,3 +197,40 @@ def minutes(slurm_time: str) -> int:
         hours, (minutes_, seconds) = 0, (parts + [0])[:2]
     total_s = ((int(days or 0) * 24 + hours) * 60 + minutes_) * 60 + seconds
     return max(1, -(-total_s // 60))
+
+
+class EvalExecutor(submitit.SlurmExecutor):
+    """`rltools eval` as a Slurm job: one task on the generator component's resources. A plain job, so
+    submitit writes the script itself; ours are the state watcher and the resources taken from the config."""
+
+    job_class = HetJob
+
+    def __init__(self, config: RLConfig, paths: RunPaths):
+        folder = paths.slurm_dir / "submitit" / "eval"
+        folder.mkdir(parents=True, exist_ok=True)
+        super().__init__(folder=folder, max_num_timeout=0, python=shlex.quote(str(config.cluster.python)))
+        cluster, gens = config.cluster, config.cluster.generators
+        extra = {"mem": gens.mem} if gens.mem is not None else {}
+        self.update_parameters(
+            job_name=f"{config.run.name}-eval",
+            partition=gens.partition or cluster.partition,
+            account=cluster.account,
+            qos=cluster.qos,
+            time=minutes(cluster.time),
+            nodes=1,
+            ntasks_per_node=1,
+            cpus_per_task=gens.cpus_per_task,
+            gpus_per_node=gens.gpus_per_node or None,
+            setup=[*cluster.setup, *(f"export {k}={shlex.quote(v)}" for k, v in sorted(cluster.environment.items()))],
+            additional_parameters=extra,
+        )
+
+
+def submit_eval_job(config: RLConfig, paths: RunPaths, checkpoint: str, k: int | None, problems: int | None) -> HetJob:
+    """Submit `run_eval` as a one-task Slurm job; `job.result()` is its summary."""
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch not found: run `rltools eval` on a Slurm login node, or with --local on a machine "
+                        "that can run vLLM")
+    from ..eval.run import run_eval
+
+    return EvalExecutor(config, paths).submit(run_eval, config, checkpoint, k, problems, paths)

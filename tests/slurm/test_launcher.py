@@ -43,6 +43,14 @@ def test_submitted_demo_learns_across_two_nodes(slurm, repo, tmp_path):
 
     logs = cli("logs", run_dir, "--role", "trainer", "--rank", "0")
     assert logs.returncode == 0 and "admitted generator worker(s) [1]" in logs.stdout, logs.stderr
+    # `rltools eval` of a Slurm run is a Slurm job itself (one task on a generator's resources) and
+    # reproduces the run's own evaluation of the same policy
+    evaluated = cli("eval", run_dir, "--checkpoint", "latest", "--json")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert "submitted eval job" in evaluated.stderr
+    result, recorded = json.loads(evaluated.stdout), json.loads((run_dir / "eval/step_150.json").read_text())
+    assert (result["step"], result["avg_at_k"], result["stderr"]) == (150, recorded["avg_at_k"], recorded["stderr"])
+
     png = tmp_path / "run.png"
     plotted = cli("plot", run_dir, "-o", png)
     assert plotted.returncode == 0, plotted.stderr
