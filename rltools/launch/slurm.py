@@ -41,7 +41,7 @@ ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED
 FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
 
 
-def submit_job(config: RLConfig, paths: RunPaths) -> "HetJob":
+def submit_job(config: RLConfig, paths: RunPaths) -> "SqueueJob":
     """Submit the run's hetjob; its id is written to the run directory for status/logs/cancel."""
     if shutil.which("sbatch") is None:
         raise UserError(
@@ -86,7 +86,7 @@ class SqueueWatcher(core.InfoWatcher):
         return self.get_info(job_id, mode=mode).get("State") or "UNKNOWN"
 
 
-class HetJob(submitit.SlurmJob):
+class SqueueJob(submitit.SlurmJob):
     """A submitit job handle whose state comes from squeue (see the module docstring); it serves the
     plain eval job as well."""
 
@@ -94,7 +94,7 @@ class HetJob(submitit.SlurmJob):
 
 
 class HetJobExecutor(submitit.SlurmExecutor):
-    job_class = HetJob
+    job_class = SqueueJob
 
     def __init__(self, config: RLConfig, paths: RunPaths):
         self.config, self.paths = config, paths
@@ -203,7 +203,7 @@ class EvalExecutor(submitit.SlurmExecutor):
     """`rltools eval` as a Slurm job: one task on the generator component's resources. A plain job, so
     submitit writes the script itself; ours are the state watcher and the resources taken from the config."""
 
-    job_class = HetJob
+    job_class = SqueueJob
 
     def __init__(self, config: RLConfig, paths: RunPaths):
         folder = paths.slurm_dir / "submitit" / "eval"
@@ -226,7 +226,7 @@ class EvalExecutor(submitit.SlurmExecutor):
         )
 
 
-def submit_eval_job(config: RLConfig, paths: RunPaths, checkpoint: str, k: int | None, problems: int | None) -> HetJob:
+def submit_eval_job(config: RLConfig, paths: RunPaths, checkpoint: str, k: int | None, problems: int | None) -> SqueueJob:
     """Submit `run_eval` as a one-task Slurm job; `job.result()` is its summary."""
     if shutil.which("sbatch") is None:
         raise UserError("sbatch not found: run `rltools eval` on a Slurm login node, or with --local on a machine "

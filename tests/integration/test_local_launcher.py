@@ -24,19 +24,29 @@ def test_a_failing_generator_stops_the_run_and_shows_its_error(repo, tmp_path):
     assert alive.stdout.strip() == "", "children outlived the launcher"
 
 
-def test_ctrl_c_stops_every_child(repo, tmp_path):
-    run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "rltools", "submit", str(repo / "configs" / "demo.yaml"), "--set", f"run.dir={run_dir}"]
+def test_ctrl_c_stops_every_child_at_a_checkpoint_and_resume_finishes(repo, tmp_path):
+    run_dir, steps = tmp_path / "run", 60
+    argv = [sys.executable, "-m", "rltools", "submit", str(repo / "configs" / "demo.yaml"), "--set", f"run.dir={run_dir}",
+            "--set", f"schedule.steps={steps}", "--set", "eval.problems=16"]
     launcher = subprocess.Popen(argv, cwd=repo, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").exists():  # mid-run: training has started
-        assert time.monotonic() < deadline and launcher.poll() is None, "the demo never reached its first step"
+    metrics = run_dir / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 15:  # mid-run
+        assert time.monotonic() < deadline and launcher.poll() is None, "the demo never got to step 15"
         time.sleep(0.2)
     launcher.send_signal(signal.SIGINT)
     assert launcher.wait(timeout=30) == 130
-    assert "interrupted" in launcher.stderr.read()
+    stderr = launcher.stderr.read()
+    assert "interrupted" in stderr and f"continue with: rltools resume {run_dir}" in stderr, stderr[-2000:]
     alive = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert alive.stdout.strip() == "", "children outlived the launcher"
+
+    # the trainer checkpointed on its way out (SIGTERM from the launcher): resume runs the rest
+    resumed = subprocess.run([sys.executable, "-m", "rltools", "resume", str(run_dir)], capture_output=True,
+                             text=True, timeout=300, cwd=repo)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr and f"of {steps} steps" in resumed.stderr
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(steps))
 
 
 def test_short_demo_runs_end_to_end(repo, tmp_path):

@@ -4,7 +4,7 @@ import json
 import subprocess
 import time
 
-from rltools.launch.slurm import HetJob
+from rltools.launch.slurm import SqueueJob
 from rltools.paths import RunPaths
 
 from .conftest import cli, slurm_demo_overrides
@@ -37,7 +37,7 @@ def test_submitted_demo_learns_across_two_nodes(slurm, repo, tmp_path):
     assert s["evals"]["150"] > s["evals"]["0"] + 0.015, s["evals"]
 
     # submitit's side: each task's return value is pickled in its component's folder
-    job = HetJob(folder=RunPaths(run_dir).submitit_dir("trainer"), job_id=s["job_id"], tasks=[0])
+    job = SqueueJob(folder=RunPaths(run_dir).submitit_dir("trainer"), job_id=s["job_id"], tasks=[0])
     assert job.result() == "trainer 0 finished"
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
 
