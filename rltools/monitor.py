@@ -8,6 +8,7 @@ from metrics.jsonl and eval/, and which component failed from the exit files the
 
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,8 @@ def run_status(paths: RunPaths) -> dict:
     }
     if job_id:
         status.update(job_state(job_id))
+    elif _local_launcher_alive(paths):
+        status["state"] = "RUNNING"
     exits = _exit_codes(paths, attempts[-1]) if attempts else {}
     if status["state"] == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
         status["state"] = "COMPLETED" if set(exits.values()) == {0} and len(exits) == len(ROLES) else "FAILED"
@@ -67,9 +70,15 @@ def run_status(paths: RunPaths) -> dict:
         if failed:
             status["failed_component"] = COMPONENT_OF[failed[0]]
             status["log_tail"] = failing_log_tail(paths, attempts[-1], failed[0])
-    if status["state"] in ACTIVE | {"UNKNOWN"} and status["step"] >= status["total_steps"] and not job_id:
-        status["state"] = "COMPLETED"  # a local run that finished
     return status
+
+
+def _local_launcher_alive(paths: RunPaths) -> bool:
+    try:
+        os.kill(int(paths.local_pid_file.read_text()), 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def format_status(status: dict) -> str:

@@ -50,6 +50,11 @@ class RunPaths:
         return self.slurm_dir / "job.sbatch"
 
     @property
+    def local_pid_file(self) -> Path:
+        """The local launcher's pid while it runs the job (cluster.launcher: local)."""
+        return self.slurm_dir / "local.pid"
+
+    @property
     def job_id_file(self) -> Path:
         """The Slurm job id (the hetjob leader's), written at submission and by the job script."""
         return self.slurm_dir / "job_id"

@@ -24,6 +24,15 @@ def run_local(config: RLConfig, paths: RunPaths, quiet: bool = False) -> int:
     attempt = len(paths.attempts())  # 0 for a fresh run, +1 for each resume (as the Slurm script counts)
     children = start_children(config, paths, attempt)
     progress = Progress(config, paths, quiet)
+    paths.local_pid_file.write_text(f"{os.getpid()}\n")  # `rltools status`: the run is alive while this is
+    try:
+        return _supervise(children, paths, progress)
+    finally:
+        record_exits(children, paths, attempt)
+        paths.local_pid_file.unlink(missing_ok=True)
+
+
+def _supervise(children: list[dict], paths: RunPaths, progress: Progress) -> int:
     try:
         while True:
             progress.update()
@@ -48,6 +57,14 @@ def run_local(config: RLConfig, paths: RunPaths, quiet: bool = False) -> int:
         return 130
 
 
+def record_exits(children: list[dict], paths: RunPaths, attempt: int) -> None:
+    """Each role's exit status, as the Slurm job script writes it (the first failure of its tasks)."""
+    for role in {child["role"] for child in children}:
+        codes = [child["proc"].returncode for child in children if child["role"] == role]
+        code = next((c for c in codes if c), 0) if None not in codes else 1
+        paths.component_exit(attempt, role).write_text(f"{code}\n")
+
+
 def start_children(config: RLConfig, paths: RunPaths, attempt: int) -> list[dict]:
     children = []
     for component in plan(config):
@@ -65,7 +82,7 @@ def start_children(config: RLConfig, paths: RunPaths, attempt: int) -> list[dict
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the children
                 )
-            children.append({"name": f"{component.role} {rank}", "proc": proc, "log": log})
+            children.append({"name": f"{component.role} {rank}", "role": component.role, "proc": proc, "log": log})
     return children
 
 

@@ -63,10 +63,19 @@ def test_status_after_the_job_left_the_queue_names_the_component_that_failed_fir
     assert "the generators component failed first" in format_status(status)
 
 
-def test_status_of_a_completed_local_run(repo, tmp_path):
+def test_status_of_local_runs_from_the_exit_files_the_launcher_writes(repo, tmp_path):
     paths = make_run(repo, tmp_path, "schedule.steps=2")
     lines = [{"step": s, "reward_mean": 0.1, "accuracy": 0.1, "time": 10.0 + s} for s in range(2)]
     paths.metrics.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    paths.attempt_log_dir(0).mkdir(parents=True)
+    paths.local_pid_file.write_text(f"{os.getpid()}\n")  # a live launcher
+    assert run_status(paths)["state"] == "RUNNING"
+    paths.local_pid_file.unlink()
+    for role, code in (("generator", 0), ("trainer", 3)):
+        paths.component_exit(0, role).write_text(f"{code}\n")
+    stopped = run_status(paths)
+    assert stopped["state"] == "STOPPED" and "continue with: rltools resume" in format_status(stopped)
+    paths.component_exit(0, "trainer").write_text("0\n")
     status = run_status(paths)
     assert (status["state"], status["step"], status["total_steps"], status["job_id"]) == ("COMPLETED", 2, 2, None)
 
