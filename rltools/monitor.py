@@ -148,7 +148,9 @@ def _mtime(paths: RunPaths, attempt: int, role: str) -> float:
 
 def failing_log_tail(paths: RunPaths, attempt: int, role: str) -> str:
     """The end of the failed role's task log that shows an error (rank 0's when none does)."""
-    logs = task_logs(paths, attempt, role)
+    logs = [log for log in task_logs(paths, attempt, role) if log.exists()]
+    if not logs:  # no task started (a bad srun line, a missing interpreter): the job script's own log
+        logs = [log for log in (paths.component_log("generators", "err"),) if log.exists()]
     if not logs:
         return f"(no {role} log in {paths.attempt_log_dir(attempt)})"
     texts = {log: log.read_text(errors="replace") for log in logs}

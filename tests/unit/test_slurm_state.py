@@ -93,3 +93,24 @@ def test_a_resume_forgets_what_steps_after_the_checkpoint_recorded(repo, tmp_pat
     assert [json.loads(line)["step"] for line in paths.metrics.read_text().splitlines()] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in paths.eval_dir.iterdir()) == ["step_0.json", "step_5.json"]
     assert list(paths.tensorboard.glob("events.out.tfevents.*"))  # reopened with the later steps purged
+
+
+def test_logs_print_each_task_log_under_a_header_and_follow_ends_with_the_run(repo, tmp_path, capsys):
+    from rltools.errors import UserError
+    from rltools.monitor import show_logs
+
+    paths = make_run(repo, tmp_path)
+    with pytest.raises(UserError, match="no logs yet"):
+        show_logs(paths, None, None, follow=False)
+    paths.attempt_log_dir(0).mkdir(parents=True)
+    paths.task_log(0, "generator", 0).write_text("gen line\n")
+    paths.task_log(0, "trainer", 0).write_text("trainer line\n")
+    for role in ("generator", "trainer"):
+        paths.component_exit(0, role).write_text("0\n")  # the run has ended: -f returns after one poll
+    show_logs(paths, None, None, follow=True)
+    out = capsys.readouterr().out
+    assert out.index("generator_0.log <==\ngen line") < out.index("trainer_0.log <==\ntrainer line")
+    show_logs(paths, "trainer", 0, follow=False)
+    assert "gen line" not in capsys.readouterr().out
+    with pytest.raises(UserError, match="is rank 3 within"):
+        show_logs(paths, "trainer", 3, follow=False)
