@@ -197,6 +197,9 @@ class EvalConfig(Section):
     """Samples per problem: quality is reported as avg@k (mean accuracy) and pass@k."""
     problems: int = Field(256, ge=1)
     """Held-out problems evaluated (arithmetic: generated; files: the first N of data.eval_path)."""
+    keep_full_exports: int = Field(2, ge=1)
+    """Complete-model policy exports kept for `rltools eval` (weight_sync full: the newest N evaluated
+    policies; older ones are deleted, their results stay in eval/). LoRA adapter exports are all kept."""
 
 
 class ComponentConfig(Section):

@@ -69,6 +69,16 @@ def available(paths: RunPaths) -> dict[int, Path]:
     return {step: path for step, path in sorted(paths.policy_steps().items()) if (path / EXPORT_MARKER).is_file()}
 
 
+def prune_full_exports(paths: RunPaths, keep: int) -> list[Path]:
+    """Delete complete-model exports beyond the newest `keep` (each is a whole model: with full weight
+    sync of a large model they would fill the disk); adapter exports are small and all kept."""
+    full = [path for path in available(paths).values()
+            if json.loads((path / EXPORT_MARKER).read_text())["kind"] == "full"]
+    for path in full[:-keep]:
+        shutil.rmtree(path)
+    return full[:-keep]
+
+
 def resolve_checkpoint(paths: RunPaths, name: str) -> Policy:
     """The policy `name` (base, latest, step_N) of the run at `paths`; UserError naming what exists."""
     if name == "base" or name == "step_0":

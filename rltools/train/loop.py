@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .. import checkpoint
 from ..config import load_config
-from ..eval.checkpoints import save_policy
+from ..eval.checkpoints import prune_full_exports, save_policy
 from ..launch.address import publish_address, wait_for_address
 from ..launch.role_env import RoleEnv
 from ..metrics import append_metrics, resume_metrics
@@ -106,6 +106,7 @@ def run_trainer(run_dir: str) -> int:
             done = step + 1
             if export and env.rank == 0:
                 save_policy(paths.policy_dir(done), weights, kind, config.model.path, config.lora, done)
+                prune_full_exports(paths, config.eval.keep_full_exports)
             if env.rank == 0:
                 tokens = int(batch.completion_offsets[-1])
                 metrics.update(

@@ -77,3 +77,13 @@ def test_missing_checkpoints_say_what_exists(tmp_path):
 def test_evaluations_and_exports_happen_before_every_n_and_at_the_end():
     assert [v for v in range(0, 21) if eval_due(make_config(steps=20, eval_every=0), v)] == [0, 20]
     assert [v for v in range(0, 21) if eval_due(make_config(steps=20, eval_every=8), v)] == [0, 8, 16, 20]
+
+
+def test_only_the_newest_full_exports_are_kept_and_every_adapter(tmp_path, base):
+    from rltools.eval.checkpoints import available, prune_full_exports
+
+    paths = RunPaths(tmp_path / "run")
+    for step, kind in ((10, "full"), (20, "lora"), (30, "full"), (40, "full")):
+        export(paths, step, base, kind)
+    assert prune_full_exports(paths, keep=2) == [paths.policy_dir(10)]
+    assert list(available(paths)) == [20, 30, 40]
