@@ -42,11 +42,16 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mod
     with megatron_on_cpu():
         init_parallel(world, seed=0)
         policy = load_megatron_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
-        load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
+        if mode != "logits":
+            load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
         trainer = MegatronTrainer(policy, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2,
                                   max_new_tokens=6, pad_id=0, device=torch.device("cpu"))
         result = {}
-        if mode == "train":
+        if mode == "logits":  # another architecture: forward and export only
+            with torch.no_grad():
+                result["logits"] = policy(*_ids())
+            result["base_weights"] = dict(m_weights(policy))
+        elif mode == "train":
             with torch.no_grad():
                 result["logits"] = policy(*_ids())
             result["base_weights"] = dict(m_weights(policy))
@@ -121,6 +126,28 @@ def test_tp2_logits_equal_the_hf_model(tp2, tiny_model):
     base = dict(hf.state_dict())
     assert run["base_weights"].keys() == base.keys()
     assert all(torch.equal(run["base_weights"][n], base[n]) for n in base)  # gathered export is exact
+
+
+def test_grouped_query_attention_and_tied_embeddings_at_tp2(tmp_path):
+    """The tiny model has as many KV heads as heads and an untied head: check the q/k/v grouping
+    (2 query heads per KV head) and a tied output layer on a random Llama with both."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32,
+                         tie_word_embeddings=True, rms_norm_eps=1e-6)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "gqa")
+    run = _spawn(2, tmp_path / "gqa", tmp_path, "logits")
+    ids, mask = _ids()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    diff = (run["logits"] - expected)[mask.bool()].abs().max().item()
+    assert diff < 1e-4, f"max |TP=2 - HF| logit {diff:.2e}"
+    base = {n: t for n, t in hf.state_dict().items() if n != "lm_head.weight"}  # tied: vLLM needs no lm_head
+    assert run["base_weights"].keys() == base.keys()
+    assert all(torch.equal(run["base_weights"][n], base[n]) for n in base)
 
 
 def test_grpo_steps_match_fsdp2_on_the_same_data(tp2, tiny_model, tmp_path):

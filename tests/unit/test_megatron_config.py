@@ -39,3 +39,14 @@ def test_unbuilt_settings_fail_with_what_is_missing(kwargs, message):
     with pytest.raises(UserError, match=message) as error:
         check(**kwargs)
     assert "trainer.backend: fsdp2" in str(error.value)
+
+
+def test_without_cuda_the_backend_says_so():
+    import torch
+
+    from rltools.train.megatron.backend import _require_cuda
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(UserError, match="megatron needs CUDA GPUs.*trainer.backend: fsdp2"):
+        _require_cuda()
