@@ -156,7 +156,7 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     tensor_parallel: int = Field(1, ge=1)
-    """Megatron tensor-parallel degree (must equal the number of trainer ranks: no data parallelism yet)."""
+    """Megatron tensor-parallel degree; it must divide the trainer ranks (the rest is data parallelism)."""
     pipeline_parallel: int = Field(1, ge=1)
     """Megatron pipeline-parallel degree (not built yet: the trainer stops at start-up unless 1)."""
     expert_parallel: int = Field(1, ge=1)

@@ -39,6 +39,7 @@ class Trainer:
         self.pad_id = pad_id
         self.device = device
         self.rank, self.world_size = rank, world_size
+        self.group = None  # the data-parallel ranks' process group (None: every rank)
         self.temperature = temperature
         self.params = trainable_parameters(model)
         self.optimizer = torch.optim.AdamW(self.params, lr=algorithm.learning_rate, weight_decay=0.0)
@@ -108,5 +109,5 @@ class Trainer:
             return values
         keys = sorted(values)
         tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return {k: float(v) / self.world_size for k, v in zip(keys, tensor)}

@@ -5,6 +5,7 @@ One TP=2 run (module fixture) records logits, exports, GRPO steps and a checkpoi
 compare pieces of it. Tolerances are fp32 ones: the computations are the same up to summation order.
 """
 
+import shutil
 import socket
 
 import pytest
@@ -26,7 +27,7 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mode: str) -> None:
+def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mode: str, tp: int) -> None:
     import torch.distributed as dist
 
     from rltools.train.megatron import checkpoint as mckpt
@@ -40,12 +41,14 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mod
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     with megatron_on_cpu():
-        init_parallel(world, seed=0)
+        init_parallel(tp, seed=0)
         policy = load_megatron_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
         if mode != "logits":
             load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
+        dp_rank, dp_size = rank // tp, world // tp  # megatron orders TP ranks innermost
         trainer = MegatronTrainer(policy, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2,
-                                  max_new_tokens=6, pad_id=0, device=torch.device("cpu"))
+                                  max_new_tokens=6, pad_id=0, device=torch.device("cpu"), rank=dp_rank,
+                                  world_size=dp_size)
         result = {}
         if mode == "logits":  # another architecture: forward and export only
             with torch.no_grad():
@@ -71,18 +74,19 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mod
         with torch.no_grad():
             result["trained_logits"] = policy(*_ids())
     if rank == 0:
-        torch.save(result, f"{run_dir}/{mode}_{world}.pt")
+        torch.save(result, f"{run_dir}/{mode}_{world}_tp{tp}.pt")
     dist.destroy_process_group()
 
 
-def _spawn(world: int, model_path, run_dir, mode: str) -> dict:
+def _spawn(world: int, model_path, run_dir, mode: str, tp: int | None = None) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, str(model_path), str(run_dir), mode), nprocs=world)
-    return torch.load(f"{run_dir}/{mode}_{world}.pt", weights_only=False)
+    tp = tp or world
+    mp.spawn(_worker, args=(world, port, str(model_path), str(run_dir), mode, tp), nprocs=world)
+    return torch.load(f"{run_dir}/{mode}_{world}_tp{tp}.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -150,11 +154,24 @@ def test_grouped_query_attention_and_tied_embeddings_at_tp2(tmp_path):
     assert all(torch.equal(run["base_weights"][n], base[n]) for n in base)
 
 
-def test_grpo_steps_match_fsdp2_on_the_same_data(tp2, tiny_model, tmp_path):
-    """Same adapters at start, same rollouts: loss, grad norm and weights follow the FSDP2 backend."""
-    _train_one_step(0, 1, str(tiny_model), 0, str(tmp_path / "fsdp.pt"))  # 2 steps, seed 0 adapters
-    fsdp = torch.load(tmp_path / "fsdp.pt")
-    _, run = tp2
+@pytest.fixture(scope="module")
+def fsdp2(tiny_model, tmp_path_factory):
+    """Two GRPO steps of the FSDP2 backend (one rank; it equals two ranks: test_trainer.py)."""
+    out = tmp_path_factory.mktemp("fsdp2") / "fsdp.pt"
+    _train_one_step(0, 1, str(tiny_model), 0, str(out))  # seed 0 adapters, as the Megatron runs start
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_grpo_steps_match_fsdp2_on_the_same_data(layout, tp2, fsdp2, tiny_model, tmp_path):
+    """Same adapters at start, same rollouts: loss, grad norm and weights follow the FSDP2 backend,
+    at TP=2 and at TP=1 x DP=2 (each DP rank trains on half the samples)."""
+    fsdp = fsdp2
+    if layout == "tp2":
+        _, run = tp2
+    else:
+        shutil.copy(tp2[0] / "initial_adapter.pt", tmp_path)
+        run = _spawn(2, tiny_model, tmp_path, "train", tp=1)
     for ours, theirs in zip(run["metrics"], fsdp["metrics"]):
         assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)

@@ -27,7 +27,7 @@ def test_a_supported_setup_passes():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(pp=2), "pipeline_parallel"),
     (dict(ep=4), "expert_parallel"),
-    (dict(world=4), "data parallelism"),
+    (dict(world=3), "must divide them"),
     (dict(lora=LoraConfig(enabled=False)), "full fine-tuning"),
     (dict(lora=LoraConfig(dropout=0.1)), "lora.dropout"),
     (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4"),

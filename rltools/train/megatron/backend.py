@@ -1,4 +1,5 @@
-"""`trainer.backend: megatron` for the role loop: every trainer rank is one TP rank of one model."""
+"""`trainer.backend: megatron` for the role loop: trainer ranks form data-parallel replicas of
+`trainer.tensor_parallel` ranks each."""
 
 import torch
 
@@ -18,9 +19,12 @@ def build(config, env, trainer_args: dict) -> Backend:
                     env.world_size)
     _require_cuda()
     init_parallel(t.tensor_parallel, config.run.seed)
+    from megatron.core import parallel_state
+
     policy = load_megatron_policy(config.model, config.lora).to(trainer_args["device"])
-    # no data parallelism: every rank trains on the whole step (Trainer rank 0 of 1)
-    trainer = MegatronTrainer(policy, config.algorithm, rank=0, world_size=1, **trainer_args)
+    # the TP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
+    trainer = MegatronTrainer(policy, config.algorithm, rank=parallel_state.get_data_parallel_rank(),
+                              world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)
     return Backend(policy, trainer, export_weights, export_adapter, checkpoint.save, checkpoint.load)
 
 

@@ -69,9 +69,8 @@ def check_supported(model_cfg: ModelConfig, lora_cfg: LoraConfig, hf_config, ten
     missing = []
     if pipeline_parallel != 1 or expert_parallel != 1:
         missing.append("trainer.pipeline_parallel and trainer.expert_parallel > 1 (only tensor parallelism is built)")
-    if world_size != tensor_parallel:
-        missing.append(f"data parallelism: trainer ranks ({world_size}) must equal trainer.tensor_parallel "
-                       f"({tensor_parallel})")
+    if world_size % tensor_parallel:
+        missing.append(f"{world_size} trainer ranks: trainer.tensor_parallel ({tensor_parallel}) must divide them")
     if not lora_cfg.enabled:
         missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
     if lora_cfg.dropout:

@@ -2,10 +2,12 @@
 
 - Logprobs: one full-sequence forward of [prompt; completion] per sample (Megatron's GPTModel has
   no Hugging Face KV-cache interface to share a prompt's forward pass between its samples).
-- Gradient clipping: the norm sums the squares of TP-split adapters over the TP group and counts
-  replicated ones once, so it equals the unsharded model's norm.
+- Gradients: averaged over the data-parallel group first (each DP rank trains on its block of the
+  step's samples, as FSDP2 ranks do); the clipping norm then sums the squares of TP-split adapters
+  over the TP group and counts replicated ones once, so it equals the unsharded model's norm.
 
-Every TP rank runs the same samples (no data parallelism yet: the Trainer gets rank 0 of 1).
+The Trainer's rank and world size are the data-parallel ones: the TP ranks of one model replica
+run the same samples. Metrics are averaged over the DP group only.
 """
 
 import torch
@@ -16,6 +18,13 @@ from ..trainer import Trainer
 
 
 class MegatronTrainer(Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.world_size > 1:
+            from megatron.core import parallel_state
+
+            self.group = parallel_state.get_data_parallel_group()  # metrics and gradients: DP ranks only
+
     def _logprobs(self, packed, with_entropy: bool = False):
         ids = torch.cat([packed.prompt_ids[packed.prompt_of], packed.completion_ids], dim=1)
         keys = torch.cat([packed.prompt_mask[packed.prompt_of], torch.ones_like(packed.completion_ids)], dim=1)
@@ -28,6 +37,11 @@ class MegatronTrainer(Trainer):
     def _clip_gradients(self) -> torch.Tensor:
         from megatron.core import parallel_state
 
+        if self.world_size > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.group)
+                    p.grad.div_(self.world_size)
         grads = [(p.grad, getattr(p, "tp_split", False)) for p in self.params if p.grad is not None]
         split = sum((g.float().pow(2).sum() for g, s in grads if s), torch.zeros(()))
         replicated = sum((g.float().pow(2).sum() for g, s in grads if not s), torch.zeros(()))
