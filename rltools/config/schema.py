@@ -156,11 +156,11 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     tensor_parallel: int = Field(1, ge=1)
-    """Megatron tensor-parallel degree."""
+    """Megatron tensor-parallel degree; it must divide the trainer ranks (the rest is data parallelism)."""
     pipeline_parallel: int = Field(1, ge=1)
-    """Megatron pipeline-parallel degree."""
+    """Megatron pipeline-parallel degree (not built yet: the trainer stops at start-up unless 1)."""
     expert_parallel: int = Field(1, ge=1)
-    """Megatron expert-parallel degree (MoE models)."""
+    """Megatron expert-parallel degree, MoE models (not built yet: the trainer stops at start-up unless 1)."""
 
     @model_validator(mode="after")
     def _parallel_needs_megatron(self):

@@ -76,11 +76,18 @@ def completion_logprobs(model, packed: Packed, temperature: float = 1.0, with_en
         use_cache=True,
     )
     first = prompt.logits[:, -1][packed.prompt_of].unsqueeze(1)  # predicts completion token 0
-    logits = torch.cat([first, completion.logits[:, :-1]], dim=1).float()
+    logits = torch.cat([first, completion.logits[:, :-1]], dim=1)
+    return token_logprobs(logits, packed.completion_ids, temperature, with_entropy)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
+    """logprobs [B, T] of `ids` [B, T] under `logits` [B, T, V] (position t predicts ids[:, t]) at the
+    sampling temperature, and the entropies [B, T] if asked (else None)."""
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    result = logp.gather(-1, packed.completion_ids.unsqueeze(-1)).squeeze(-1)
+    result = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return result, None
     with torch.no_grad():

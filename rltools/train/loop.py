@@ -24,8 +24,7 @@ from ..preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..roles import eval_due, sync_backend, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore
 from ..weight_sync import WeightSyncError
-from .model import export_adapter, export_weights, load_policy, shard_model
-from .trainer import Trainer
+from .backend import Backend, build_backend
 
 log = logging.getLogger("rltools.trainer")
 
@@ -40,22 +39,10 @@ def run_trainer(run_dir: str) -> int:
     torch.manual_seed(config.run.seed)
     device = torch.device(f"cuda:{env.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     init_trainer_group(env, paths, timeout_s=config.generator.sync_timeout_s)
-    model = load_policy(config.model, config.lora).to(device)
-    if env.world_size > 1:
-        shard_model(model)
-    trainer = Trainer(
-        model,
-        config.algorithm,
-        micro_batch_size=config.trainer.micro_batch_size,
-        max_new_tokens=config.generator.max_new_tokens,
-        pad_id=_pad_id(config.model.path),
-        device=device,
-        rank=env.rank,
-        world_size=env.world_size,
-        temperature=config.generator.temperature,
-    )
+    backend = build_backend(config, env, device, _pad_id(config.model.path))  # trainer.backend: fsdp2 | megatron
+    model, trainer = backend.model, backend.trainer
     store = RolloutStore(paths, paths.read_run_id(), keep_steps=config.schedule.keep_rollout_steps)
-    start = resume(env, paths, config, model, trainer.optimizer, store)
+    start = resume(env, paths, config, backend, store)
     # after resume(): generators join only now, so they never see shards or checkpoints in flux
     sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
     lora_scale = config.lora.alpha / config.lora.rank if config.lora.enabled else None
@@ -64,7 +51,7 @@ def run_trainer(run_dir: str) -> int:
     def send(version: int, keep: bool = False) -> list | None:
         """Broadcast `version`'s weights (collective: every trainer rank takes part in the export);
         with `keep`, also return them (a list) for rank 0 to save."""
-        weights = export_adapter(model) if kind == "lora" else export_weights(model, lora_scale)
+        weights = backend.export_adapter(model) if kind == "lora" else backend.export_weights(model, lora_scale)
         if keep:
             weights = list(weights)
         if sender is None:
@@ -123,17 +110,18 @@ def run_trainer(run_dir: str) -> int:
                 )
                 append_metrics(paths, metrics)
             if done % config.schedule.checkpoint_every == 0 or done == config.schedule.steps:
-                checkpoint.save(paths, done, model, trainer.optimizer, rank=env.rank, keep=config.schedule.keep_checkpoints)
-            store.prune(consumed_through=step, checkpointed_through=paths.latest_checkpoint() - 1)
+                backend.save(paths, done, model, trainer.optimizer, rank=env.rank, keep=config.schedule.keep_checkpoints)
+            if env.rank == 0:  # one deleter: two ranks removing the same directory race (FileNotFoundError)
+                store.prune(consumed_through=step, checkpointed_through=paths.latest_checkpoint() - 1)
     except Stopped as signal_name:
-        return stop_at_checkpoint(env, paths, config, model, trainer, done, str(signal_name), stop.is_warning)
+        return stop_at_checkpoint(env, paths, config, backend, done, str(signal_name), stop.is_warning)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
 
-def resume(env: RoleEnv, paths: RunPaths, config, model, optimizer, store: RolloutStore) -> int:
+def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: RolloutStore) -> int:
     """Load the latest valid checkpoint, if any; returns the steps it holds (0: a fresh start).
 
     Trainer rank 0 first deletes what a crash left behind: unfinished checkpoints, the metrics and
@@ -144,7 +132,7 @@ def resume(env: RoleEnv, paths: RunPaths, config, model, optimizer, store: Rollo
     checkpoint.barrier()
     start = paths.latest_checkpoint()
     if start:
-        checkpoint.load(paths, start, model, optimizer, rank=env.rank)
+        backend.load(paths, start, backend.model, backend.trainer.optimizer, rank=env.rank)
         log.info("resumed from %s: %d of %d steps done", paths.checkpoint_dir(start), start, config.schedule.steps)
     if env.rank == 0:
         resume_metrics(paths, start)
@@ -181,10 +169,11 @@ def _agree_to_stop(stop: StopFlag, env: RoleEnv) -> None:
         raise Stopped(stop.received or "a peer's signal")
 
 
-def stop_at_checkpoint(env, paths: RunPaths, config, model, trainer, done: int, signal_name: str, warning: bool) -> int:
+def stop_at_checkpoint(env, paths: RunPaths, config, backend: Backend, done: int, signal_name: str, warning: bool) -> int:
     """The end of a stopped run: checkpoint the steps done, requeue after the warning signal."""
     if paths.latest_checkpoint() < done:
-        checkpoint.save(paths, done, model, trainer.optimizer, rank=env.rank, keep=config.schedule.keep_checkpoints)
+        backend.save(paths, done, backend.model, backend.trainer.optimizer, rank=env.rank,
+                     keep=config.schedule.keep_checkpoints)
     log.warning("stopped on %s after %d of %d steps; checkpoint %s", signal_name, done, config.schedule.steps,
                 paths.checkpoint_dir(done))
     cluster = config.cluster

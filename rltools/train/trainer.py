@@ -39,6 +39,7 @@ class Trainer:
         self.pad_id = pad_id
         self.device = device
         self.rank, self.world_size = rank, world_size
+        self.group = None  # the data-parallel ranks' process group (None: every rank)
         self.temperature = temperature
         self.params = trainable_parameters(model)
         self.optimizer = torch.optim.AdamW(self.params, lr=algorithm.learning_rate, weight_decay=0.0)
@@ -57,9 +58,7 @@ class Trainer:
             micro = self._micro_step(batch, indices, advantages[indices].to(self.device), weight=len(indices) / len(local))
             for key, value in micro.items():
                 sums[key] = sums.get(key, 0.0) + value * len(indices) / len(local)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.algorithm.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics.update(self._mean_over_ranks(sums))
@@ -70,7 +69,7 @@ class Trainer:
 
     def _micro_step(self, batch: RolloutBatch, indices: np.ndarray, advantages: torch.Tensor, weight: float) -> dict:
         packed = pack(batch, indices, self.pad_id, self.device)
-        logprobs, entropy = completion_logprobs(self.model, packed, self.temperature, with_entropy=True)
+        logprobs, entropy = self._logprobs(packed, with_entropy=True)
         ref = self._reference_logprobs(packed) if self.algorithm.kl_coef > 0 else None
         loss, metrics = policy_loss(
             logprobs,
@@ -91,15 +90,24 @@ class Trainer:
         metrics["logprob_diff"] = float(((logprobs.detach() - packed.old_logprobs).abs() * packed.mask).sum() / tokens)
         return metrics
 
+    def _logprobs(self, packed, with_entropy: bool = False):
+        """Per-token logprobs [B, T] of the completions (and entropies); backends override it."""
+        return completion_logprobs(self.model, packed, self.temperature, with_entropy=with_entropy)
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Clip to algorithm.max_grad_norm; returns the norm before clipping (backends override it)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.algorithm.max_grad_norm)
+        return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
     @torch.no_grad()
     def _reference_logprobs(self, packed) -> torch.Tensor:
         with self.model.disable_adapter():
-            return completion_logprobs(self.model, packed, self.temperature)[0]
+            return self._logprobs(packed)[0]
 
     def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         if self.world_size == 1:
             return values
         keys = sorted(values)
         tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return {k: float(v) / self.world_size for k, v in zip(keys, tensor)}

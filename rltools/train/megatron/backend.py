@@ -1,0 +1,39 @@
+"""`trainer.backend: megatron` for the role loop: trainer ranks form data-parallel replicas of
+`trainer.tensor_parallel` ranks each."""
+
+import torch
+
+from ...errors import UserError
+from ..backend import Backend
+from . import checkpoint
+from .model import check_supported, export_adapter, export_weights, init_parallel, load_megatron_policy
+from .trainer import MegatronTrainer
+
+
+def build(config, env, trainer_args: dict) -> Backend:
+    from transformers import AutoConfig
+
+    t = config.trainer
+    hf_config = AutoConfig.from_pretrained(config.model.path, local_files_only=True)
+    check_supported(config.model, config.lora, hf_config, t.tensor_parallel, t.pipeline_parallel, t.expert_parallel,
+                    env.world_size)
+    _require_cuda()
+    init_parallel(t.tensor_parallel, config.run.seed)
+    from megatron.core import parallel_state
+
+    policy = load_megatron_policy(config.model, config.lora).to(trainer_args["device"])
+    # the TP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
+    trainer = MegatronTrainer(policy, config.algorithm, rank=parallel_state.get_data_parallel_rank(),
+                              world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)
+    return Backend(policy, trainer, export_weights, export_adapter, checkpoint.save, checkpoint.load)
+
+
+def _require_cuda() -> None:
+    """megatron-core places tensors on `torch.cuda.current_device()`; say so before it fails deep inside."""
+    try:
+        torch.cuda.current_device()
+    except (AssertionError, RuntimeError) as error:
+        raise UserError(
+            "trainer.backend: megatron needs CUDA GPUs: megatron-core does not run on CPU "
+            f"({error}); use trainer.backend: fsdp2 on CPU machines"
+        ) from None

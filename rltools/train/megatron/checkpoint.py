@@ -1,0 +1,73 @@
+"""Checkpoints of the Megatron backend, in the FSDP2 backend's format.
+
+What is saved is what `rltools.checkpoint` saves for a peft model: the LoRA adapters under peft's
+parameter names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`) and
+their AdamW moments, as full tensors — gathered over TP before the save, split again at load. So a
+checkpoint written at one TP degree resumes at any other (or on FSDP2); the adapters are small,
+so gathering them costs little. Everything else (atomic directories, markers, RNG, keep-last-K)
+is `rltools.checkpoint`'s.
+"""
+
+import torch
+from torch import nn
+
+from ... import checkpoint
+from .lora import split_dim
+from .model import MegatronPolicy, adapter_names, gather, projection_of, tp_rank_size
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def save(paths, step: int, policy: MegatronPolicy, optimizer, *, rank: int, keep: int):
+    view, view_optimizer, _ = _full_view(policy, optimizer)
+    return checkpoint.save(paths, step, view, view_optimizer, rank=rank, keep=keep)
+
+
+def load(paths, step: int, policy: MegatronPolicy, optimizer, *, rank: int) -> dict:
+    view, view_optimizer, pairs = _full_view(policy, optimizer)
+    meta = checkpoint.load(paths, step, view, view_optimizer, rank=rank)
+    tp_rank, tp_size = tp_rank_size()
+
+    def local(full: torch.Tensor, dim: int | None) -> torch.Tensor:
+        return full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+    with torch.no_grad():
+        for param, full, dim in pairs:
+            param.copy_(local(full, dim))
+            saved = view_optimizer.state[full]
+            optimizer.state[param] = {"step": saved["step"].clone(),
+                                      **{k: local(saved[k], dim) for k in MOMENTS}}
+    return meta
+
+
+def _full_view(policy: MegatronPolicy, optimizer):
+    """A plain module of full adapter tensors under peft's names, an AdamW over it holding the full
+    moments, and (local parameter, full parameter, split dim) triples (collective over TP)."""
+    view, pairs = nn.Module(), []
+    for layer, _, module in policy.lora_layers():
+        for key in module.lora_A:
+            names = adapter_names(layer, projection_of(key))
+            for matrix, name, param in (("A", names[0], module.lora_A[key]), ("B", names[1], module.lora_B[key])):
+                dim = split_dim(module.style, matrix)
+                full = nn.Parameter(gather(param, dim).clone())
+                _set(view, name.replace(".weight", ".default.weight"), full)
+                pairs.append((param, full, dim))
+    view_optimizer = torch.optim.AdamW(view.parameters(), **{k: v for k, v in optimizer.defaults.items()
+                                                            if k in ("lr", "weight_decay", "betas", "eps")})
+    for param, full, dim in pairs:
+        state = optimizer.state.get(param, {})
+        view_optimizer.state[full] = {
+            "step": state["step"].clone() if "step" in state else torch.tensor(0.0),
+            **{k: gather(state[k], dim) if k in state else torch.zeros_like(full) for k in MOMENTS},
+        }
+    return view, view_optimizer, pairs
+
+
+def _set(root: nn.Module, dotted: str, param: nn.Parameter) -> None:
+    *parents, leaf = dotted.split(".")
+    module = root
+    for part in parents:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    module.register_parameter(leaf, param)

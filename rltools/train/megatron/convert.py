@@ -1,0 +1,102 @@
+"""Hugging Face Llama <-> Megatron GPTModel weights, and their tensor-parallel shards.
+
+Pure tensor functions, no process groups. Invariants:
+- `to_megatron` and `to_hf` are exact inverses (they only copy, concatenate and slice).
+- Megatron fuses q/k/v into `linear_qkv`, grouped by query group: for each of the `kv_heads` groups,
+  its q heads, then its k head, then its v head. gate/up are fused into `linear_fc1` as [gate; up].
+- A TP shard of `linear_qkv` is a contiguous block of whole query groups; a shard of `linear_fc1` is
+  [gate shard; up shard]; `linear_proj`/`linear_fc2` split their input dimension; embeddings and the
+  output layer split the vocabulary; norms are replicated.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool  # tie_word_embeddings: the output layer is the embedding
+
+    @classmethod
+    def from_hf(cls, config) -> "Shape":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                   bool(config.tie_word_embeddings))
+
+
+def name_map(shape: Shape) -> dict[str, tuple[str, ...]]:
+    """Megatron name -> the HF names it is made of (in fusion order)."""
+    names = {"embedding.word_embeddings.weight": ("model.embed_tokens.weight",)}
+    for i in range(shape.layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        names[m + "input_layernorm.weight"] = (h + "input_layernorm.weight",)
+        names[m + "self_attention.linear_qkv.weight"] = tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv")
+        names[m + "self_attention.linear_proj.weight"] = (h + "self_attn.o_proj.weight",)
+        names[m + "pre_mlp_layernorm.weight"] = (h + "post_attention_layernorm.weight",)
+        names[m + "mlp.linear_fc1.weight"] = (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
+        names[m + "mlp.linear_fc2.weight"] = (h + "mlp.down_proj.weight",)
+    names["decoder.final_layernorm.weight"] = ("model.norm.weight",)
+    if not shape.tied:
+        names["output_layer.weight"] = ("lm_head.weight",)
+    return names
+
+
+def to_megatron(name: str, hf: list[torch.Tensor], shape: Shape) -> torch.Tensor:
+    """Fuse the HF tensors of one Megatron weight (full, unsharded)."""
+    if name.endswith("linear_qkv.weight"):
+        q, k, v = hf
+        per_group = shape.heads // shape.kv_heads
+        groups = [t.reshape(shape.kv_heads, -1, t.shape[-1]) for t in (q, k, v)]
+        assert groups[0].shape[1] == per_group * shape.head_dim
+        return torch.cat(groups, dim=1).reshape(-1, q.shape[-1])
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat(hf, dim=0)
+    (tensor,) = hf
+    return tensor
+
+
+def to_hf(name: str, tensor: torch.Tensor, shape: Shape) -> list[torch.Tensor]:
+    """Split one full Megatron weight into its HF tensors (the inverse of `to_megatron`)."""
+    if name.endswith("linear_qkv.weight"):
+        q_rows = shape.heads // shape.kv_heads * shape.head_dim
+        grouped = tensor.reshape(shape.kv_heads, q_rows + 2 * shape.head_dim, -1)
+        q, k, v = grouped.split([q_rows, shape.head_dim, shape.head_dim], dim=1)
+        return [t.reshape(-1, tensor.shape[-1]).contiguous() for t in (q, k, v)]
+    if name.endswith("linear_fc1.weight"):
+        return [t.contiguous() for t in tensor.chunk(2, dim=0)]
+    return [tensor]
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits a Megatron weight along (None: replicated)."""
+    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """TP rank `rank`'s shard of a full Megatron weight."""
+    dim = split_dim(name)
+    if dim is None or size == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):  # [gate; up]: each half is split, then re-fused
+        return torch.cat([half.chunk(size, dim=0)[rank] for half in full.chunk(2, dim=0)], dim=0).contiguous()
+    return full.chunk(size, dim=dim)[rank].contiguous()
+
+
+def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full Megatron weight from every TP rank's shard (the inverse of `shard`)."""
+    dim = split_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if name.endswith("linear_fc1.weight"):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
+    return torch.cat(shards, dim=dim)

@@ -1,0 +1,296 @@
+"""The policy as a megatron-core GPTModel: built from a Llama-family HF config, loaded from its
+safetensors one weight at a time (each TP rank keeps its shard), with LoRA on the parallel linears.
+
+Invariants:
+- Every exported tensor has the Hugging Face name and full shape an HF model would load:
+  `export_weights` merges the LoRA deltas and yields one weight at a time (gathered over TP just
+  before it is yielded), so no rank holds the whole model; `export_adapter` yields the same PEFT
+  names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) as the FSDP2 backend.
+- Collectives: building, exporting and `adapter_state` are collective over the TP group; every
+  trainer rank must call them in the same order.
+"""
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...config.schema import LoraConfig, ModelConfig
+from ...errors import UserError
+from . import convert
+from .lora import FUSED, LoraParallelLinear, split_dim
+
+PEFT_PREFIX = "base_model.model."
+
+
+class MegatronPolicy(nn.Module):
+    """A GPTModel plus what the trainer needs around it: the HF shape, LoRA control, the TP group."""
+
+    def __init__(self, gpt: nn.Module, shape: convert.Shape, lora_scale: float | None):
+        super().__init__()
+        self.gpt, self.shape, self.lora_scale = gpt, shape, lora_scale
+
+    def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, vocab] (full vocabulary on every TP rank) of left- or right-padded rows;
+        `key_mask` [B, S] is 1 for real tokens. Padding positions produce junk logits."""
+        positions = (key_mask.cumsum(1) - 1).clamp(min=0)
+        length = input_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
+        masked = causal[None, None] | ~key_mask.bool()[:, None, None, :]  # True = not attended
+        return self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=masked)
+
+    def lora_layers(self) -> Iterator[tuple[int, str, LoraParallelLinear]]:
+        for i, layer in enumerate(self.gpt.decoder.layers):
+            for path in FUSED:
+                module = layer.get_submodule(path)
+                if isinstance(module, LoraParallelLinear):
+                    yield i, path, module
+
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        """The frozen base model (for the KL reference), as peft's `disable_adapter`."""
+        layers = [m for _, _, m in self.lora_layers()]
+        for m in layers:
+            m.enabled = False
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.enabled = True
+
+
+def check_supported(model_cfg: ModelConfig, lora_cfg: LoraConfig, hf_config, tensor_parallel: int,
+                    pipeline_parallel: int, expert_parallel: int, world_size: int) -> None:
+    """UserError for every setting this backend does not build yet (rather than a late failure)."""
+    missing = []
+    if pipeline_parallel != 1 or expert_parallel != 1:
+        missing.append("trainer.pipeline_parallel and trainer.expert_parallel > 1 (only tensor parallelism is built)")
+    if world_size % tensor_parallel:
+        missing.append(f"{world_size} trainer ranks: trainer.tensor_parallel ({tensor_parallel}) must divide them")
+    if not lora_cfg.enabled:
+        missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
+    if lora_cfg.dropout:
+        missing.append("lora.dropout > 0")
+    if model_cfg.quantization != "none":
+        missing.append(f"model.quantization: {model_cfg.quantization}")
+    if getattr(hf_config, "model_type", None) != "llama" or getattr(hf_config, "hidden_act", "silu") != "silu":
+        missing.append(f"model type {getattr(hf_config, 'model_type', '?')} (Llama-family only)")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        missing.append("attention/MLP biases")
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        missing.append(f"RoPE scaling {rope.get('rope_type')}")
+    if hf_config.num_key_value_heads % tensor_parallel or hf_config.vocab_size % tensor_parallel:
+        missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads and the vocabulary")
+    unknown = set(lora_cfg.target_modules) - {p.rsplit(".", 1)[1] for _, ps in FUSED.values() for p in ps}
+    if unknown:
+        missing.append(f"LoRA on {sorted(unknown)}")
+    if missing:
+        raise UserError("trainer.backend: megatron does not support " + "; ".join(missing) +
+                        " — use trainer.backend: fsdp2")
+
+
+def init_parallel(tensor_parallel: int, seed: int) -> None:
+    """megatron's process groups (torch.distributed must be initialised when tensor_parallel > 1)."""
+    from megatron.core import parallel_state, tensor_parallel as tp
+
+    if not dist.is_initialized():  # one rank: megatron still wants a process group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    tp.model_parallel_cuda_manual_seed(seed)
+
+
+def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> MegatronPolicy:
+    """Build the GPTModel on this TP rank and fill it from the HF checkpoint (after `init_parallel`)."""
+    from megatron.core import parallel_state
+    from transformers import AutoConfig
+
+    from ..model import DTYPES
+
+    hf_config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    shape = convert.Shape.from_hf(hf_config)
+    gpt = _build_gpt(hf_config, DTYPES[model_cfg.dtype], parallel_state.get_tensor_model_parallel_world_size())
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(gpt.named_parameters())
+    with _SafetensorsReader(model_cfg.path) as read, torch.no_grad():
+        for name, hf_names in convert.name_map(shape).items():
+            full = convert.to_megatron(name, [read(n) for n in hf_names], shape)
+            params[name].copy_(convert.shard(name, full, rank, size))
+    for p in gpt.parameters():
+        p.requires_grad_(False)
+    scale = lora_cfg.alpha / lora_cfg.rank
+    policy = MegatronPolicy(gpt, shape, scale)
+    _add_lora(policy, lora_cfg, size)
+    return policy
+
+
+def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int) -> nn.Module:
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    shape = convert.Shape.from_hf(hf)
+    config = TransformerConfig(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,
+        kv_channels=shape.head_dim, normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is overwritten from the checkpoint
+    )
+    rope = getattr(hf, "rope_parameters", None) or {}
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+        share_embeddings_and_output_weights=shape.tied, parallel_output=False,
+    )
+
+
+def _add_lora(policy: MegatronPolicy, lora_cfg: LoraConfig, tp_size: int) -> None:
+    shape = policy.shape
+    groups = shape.kv_heads // tp_size
+    targets = set(lora_cfg.target_modules)
+    for layer in policy.gpt.decoder.layers:
+        for path, (style, projections) in FUSED.items():
+            base = layer.get_submodule(path)
+            weight = base.weight
+            rows = _column_rows(path, shape, weight.shape[0]) if style == "column" else [weight.shape[0]]
+            parts = {p: (r, weight.shape[1]) for p, r in zip(projections, rows)}
+            targeted = {p for p in projections if p.rsplit(".", 1)[1] in targets}
+            if not targeted:
+                continue
+            wrapped = LoraParallelLinear(base, style, parts, targeted, lora_cfg.rank, policy.lora_scale,
+                                         groups if path.endswith("linear_qkv") else 1)
+            parent, leaf = path.rsplit(".", 1)
+            setattr(layer.get_submodule(parent), leaf, wrapped)
+    for module in policy.modules():
+        if isinstance(module, LoraParallelLinear):
+            for matrix, params in (("A", module.lora_A), ("B", module.lora_B)):
+                for p in params.values():
+                    p.data = p.data.to(module.base.weight.dtype)
+                    p.tp_split = tp_size > 1 and split_dim(module.style, matrix) is not None  # for the grad norm
+
+
+def _column_rows(path: str, shape: convert.Shape, local_rows: int) -> list[int]:
+    """Local output rows of each fused projection of a column-parallel layer."""
+    if path.endswith("linear_qkv"):
+        groups = local_rows // ((shape.heads // shape.kv_heads + 2) * shape.head_dim)
+        q = groups * shape.heads // shape.kv_heads * shape.head_dim
+        return [q, groups * shape.head_dim, groups * shape.head_dim]
+    return [local_rows // 2, local_rows // 2]
+
+
+class _SafetensorsReader:
+    """Reads one HF tensor at a time from a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, directory: str):
+        self.directory = Path(directory)
+
+    def __enter__(self):
+        from safetensors import safe_open
+
+        index = self.directory / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+                 else ["model.safetensors"])
+        self.handles = [safe_open(self.directory / f, framework="pt") for f in files]
+        self.where = {k: h for h in self.handles for k in h.keys()}
+        return self.read
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise UserError(f"{self.directory}: no tensor {name} in the checkpoint")
+        return self.where[name].get_tensor(name)
+
+    def __exit__(self, *exc):
+        self.handles = self.where = None
+
+
+def _shards(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's `tensor`, in TP rank order (collective over the TP group)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return [tensor.detach()]
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return shards
+
+
+def gather(tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The full tensor from every TP rank's shard along `dim` (None: replicated, nothing to gather)."""
+    return tensor.detach() if dim is None else torch.cat(_shards(tensor), dim=dim)
+
+
+def tp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def adapter_names(layer: int, projection: str) -> tuple[str, str]:
+    stem = f"{PEFT_PREFIX}model.layers.{layer}.{projection}"
+    return f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"
+
+
+def export_adapter(policy: MegatronPolicy) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, full tensor) of every LoRA weight, as the FSDP2 backend's `export_adapter`."""
+    for layer, _, module in policy.lora_layers():
+        for key in module.lora_A:
+            name_a, name_b = adapter_names(layer, projection_of(key))
+            yield name_a, gather(module.lora_A[key], split_dim(module.style, "A"))
+            yield name_b, gather(module.lora_B[key], split_dim(module.style, "B"))
+
+
+def projection_of(key: str) -> str:
+    """ParameterDict key ('self_attn_q_proj') -> HF projection path ('self_attn.q_proj')."""
+    block = "mlp" if key.startswith("mlp_") else "self_attn"
+    return f"{block}.{key.removeprefix(block + '_')}"
+
+
+def load_adapter(policy: MegatronPolicy, tensors: dict[str, torch.Tensor]) -> None:
+    """Set the adapters from full PEFT-named tensors (each TP rank keeps its shard)."""
+    rank, size = tp_rank_size()
+    with torch.no_grad():
+        for layer, _, module in policy.lora_layers():
+            for key in module.lora_A:
+                name_a, name_b = adapter_names(layer, projection_of(key))
+                for matrix, name, target in (("A", name_a, module.lora_A[key]), ("B", name_b, module.lora_B[key])):
+                    dim = split_dim(module.style, matrix)
+                    full = tensors[name]
+                    target.copy_(full if dim is None else full.chunk(size, dim=dim)[rank])
+
+
+def export_weights(policy: MegatronPolicy, lora_scale: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every weight with the LoRA deltas merged, one Megatron weight at a
+    time: gathered over TP, merged, split into its HF tensors, yielded, dropped."""
+    shape, scale = policy.shape, policy.lora_scale if lora_scale is None else lora_scale
+    adapters = {f"decoder.layers.{i}.{path}": m for i, path, m in policy.lora_layers()}
+    names = convert.name_map(shape)
+    for name, param in policy.gpt.named_parameters():
+        name = name.replace(".base.weight", ".weight")
+        if name not in names:
+            continue  # the LoRA matrices themselves
+        full = convert.unshard(name, _shards(param) if convert.split_dim(name) is not None else [param.detach()])
+        hf_tensors = convert.to_hf(name, full, shape)
+        module = adapters.get(name.removesuffix(".weight"))
+        for hf_name, tensor in zip(names[name], hf_tensors):
+            yield hf_name, tensor if module is None else _merged(module, hf_name, tensor, scale)
+
+
+def _merged(module: LoraParallelLinear, hf_name: str, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """`tensor` (the full HF weight `hf_name` of a LoRA-wrapped layer) plus its adapter's delta."""
+    key = ".".join(hf_name.split(".")[-3:-1]).replace(".", "_")  # model.layers.0.self_attn.q_proj.weight
+    if key not in module.lora_A:
+        return tensor
+    a = gather(module.lora_A[key], split_dim(module.style, "A")).float()
+    b = gather(module.lora_B[key], split_dim(module.style, "B")).float()
+    return (tensor.float() + scale * b @ a).to(tensor.dtype)

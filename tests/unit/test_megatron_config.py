@@ -1,0 +1,52 @@
+"""What the Megatron backend does not build yet stops the trainer at start-up with a UserError that
+names it, before any model is loaded."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from rltools.config.schema import LoraConfig, ModelConfig
+from rltools.errors import UserError
+
+pytest.importorskip("torch")
+
+LLAMA = SimpleNamespace(model_type="llama", hidden_act="silu", num_key_value_heads=4, vocab_size=100,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+
+def check(lora=LoraConfig(), model=ModelConfig(path="m"), hf=LLAMA, tp=2, pp=1, ep=1, world=2):
+    from rltools.train.megatron.model import check_supported
+
+    check_supported(model, lora, hf, tp, pp, ep, world)
+
+
+def test_a_supported_setup_passes():
+    check()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pp=2), "pipeline_parallel"),
+    (dict(ep=4), "expert_parallel"),
+    (dict(world=3), "must divide them"),
+    (dict(lora=LoraConfig(enabled=False)), "full fine-tuning"),
+    (dict(lora=LoraConfig(dropout=0.1)), "lora.dropout"),
+    (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4"),
+    (dict(hf=SimpleNamespace(**{**vars(LLAMA), "model_type": "qwen3_moe"})), "Llama-family"),
+    (dict(tp=8, world=8), "must divide"),
+    (dict(lora=LoraConfig(target_modules=["lm_head"])), "lm_head"),
+])
+def test_unbuilt_settings_fail_with_what_is_missing(kwargs, message):
+    with pytest.raises(UserError, match=message) as error:
+        check(**kwargs)
+    assert "trainer.backend: fsdp2" in str(error.value)
+
+
+def test_without_cuda_the_backend_says_so():
+    import torch
+
+    from rltools.train.megatron.backend import _require_cuda
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(UserError, match="megatron needs CUDA GPUs.*trainer.backend: fsdp2"):
+        _require_cuda()
