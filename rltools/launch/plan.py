@@ -72,6 +72,25 @@ def check_topology(config: RLConfig) -> None:
             f"trainer ranks ({trainers.ntasks}) must be a multiple of trainer.tensor_parallel x "
             f"trainer.pipeline_parallel ({model_parallel})"
         )
+    missing = megatron_unsupported(config) if t.backend == "megatron" else []
+    if missing:  # at submit time: not after the job waited in the queue for its nodes
+        raise UserError("trainer.backend: megatron does not support " + "; ".join(missing) + " yet — use trainer.backend: fsdp2")
+
+
+def megatron_unsupported(config: RLConfig) -> list[str]:
+    """What a config asks of the Megatron backend that it does not build (the model's own
+    architecture is checked when the trainer reads its config.json)."""
+    t, lora = config.trainer, config.lora
+    missing = []
+    if t.pipeline_parallel != 1 or t.expert_parallel != 1:
+        missing.append("trainer.pipeline_parallel and trainer.expert_parallel > 1 (only tensor parallelism is built)")
+    if not lora.enabled:
+        missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
+    if lora.dropout:
+        missing.append("lora.dropout > 0")
+    if config.model.quantization != "none":
+        missing.append(f"model.quantization: {config.model.quantization}")
+    return missing
 
 
 def describe(config: RLConfig, components: list[Component]) -> str:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rltools.config.schema import LoraConfig, ModelConfig
+from rltools.config.schema import LoraConfig, ModelConfig, RLConfig
 from rltools.errors import UserError
 
 pytest.importorskip("torch")
@@ -17,7 +17,9 @@ LLAMA = SimpleNamespace(model_type="llama", hidden_act="silu", num_key_value_hea
 def check(lora=LoraConfig(), model=ModelConfig(path="m"), hf=LLAMA, tp=2, pp=1, ep=1, world=2):
     from rltools.train.megatron.model import check_supported
 
-    check_supported(model, lora, hf, tp, pp, ep, world)
+    config = RLConfig(run={"name": "t"}, model=model, lora=lora, trainer={
+        "backend": "megatron", "tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep})
+    check_supported(config, hf, world)
 
 
 def test_a_supported_setup_passes():
@@ -50,3 +52,13 @@ def test_without_cuda_the_backend_says_so():
         pytest.skip("a GPU is present")
     with pytest.raises(UserError, match="megatron needs CUDA GPUs.*trainer.backend: fsdp2"):
         _require_cuda()
+
+
+def test_settings_the_backend_lacks_fail_at_submit_time_already(repo):
+    """`rltools submit --dry-run` (no torch) refuses them before the job waits for its nodes."""
+    from rltools.config import load_config
+    from rltools.launch.plan import plan
+
+    config = load_config(repo / "configs" / "demo.yaml", ["trainer.backend=megatron", "trainer.expert_parallel=2"])
+    with pytest.raises(UserError, match="expert_parallel > 1.*use trainer.backend: fsdp2"):
+        plan(config)

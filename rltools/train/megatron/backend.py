@@ -15,8 +15,7 @@ def build(config, env, trainer_args: dict) -> Backend:
 
     t = config.trainer
     hf_config = AutoConfig.from_pretrained(config.model.path, local_files_only=True)
-    check_supported(config.model, config.lora, hf_config, t.tensor_parallel, t.pipeline_parallel, t.expert_parallel,
-                    env.world_size)
+    check_supported(config, hf_config, env.world_size)
     _require_cuda()
     init_parallel(t.tensor_parallel, config.run.seed)
     from megatron.core import parallel_state

@@ -63,20 +63,15 @@ class MegatronPolicy(nn.Module):
                 m.enabled = True
 
 
-def check_supported(model_cfg: ModelConfig, lora_cfg: LoraConfig, hf_config, tensor_parallel: int,
-                    pipeline_parallel: int, expert_parallel: int, world_size: int) -> None:
-    """UserError for every setting this backend does not build yet (rather than a late failure)."""
-    missing = []
-    if pipeline_parallel != 1 or expert_parallel != 1:
-        missing.append("trainer.pipeline_parallel and trainer.expert_parallel > 1 (only tensor parallelism is built)")
+def check_supported(config, hf_config, world_size: int) -> None:
+    """UserError for every setting this backend does not build yet (rather than a late failure); the
+    config-only part already ran at submit time (launch.plan.megatron_unsupported)."""
+    from ...launch.plan import megatron_unsupported
+
+    tensor_parallel, lora_cfg = config.trainer.tensor_parallel, config.lora
+    missing = megatron_unsupported(config)
     if world_size % tensor_parallel:
         missing.append(f"{world_size} trainer ranks: trainer.tensor_parallel ({tensor_parallel}) must divide them")
-    if not lora_cfg.enabled:
-        missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
-    if lora_cfg.dropout:
-        missing.append("lora.dropout > 0")
-    if model_cfg.quantization != "none":
-        missing.append(f"model.quantization: {model_cfg.quantization}")
     if getattr(hf_config, "model_type", None) != "llama" or getattr(hf_config, "hidden_act", "silu") != "silu":
         missing.append(f"model type {getattr(hf_config, 'model_type', '?')} (Llama-family only)")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
