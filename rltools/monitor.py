@@ -22,6 +22,7 @@ from .preempt import EXIT_STOPPED
 
 COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
 TAIL_LINES = 20
+UNSEEN_S = 120.0  # a submitted job squeue has not shown by then is not going to appear
 
 
 def open_run(run_dir: str | Path) -> RunPaths:
@@ -197,26 +198,34 @@ def show_logs(paths: RunPaths, role: str | None, rank: int | None, follow: bool,
             offsets[log] += len(complete)
             for line in complete.decode(errors="replace").splitlines():
                 print(f"[{log.stem}] {line}", flush=True)
-        if not _still_running(paths, attempt):
+        if not _still_running(paths):
             return
 
 
-def _still_running(paths: RunPaths, attempt: int) -> bool:
+def _still_running(paths: RunPaths) -> bool:
     if paths.job_id_file.exists():
         return job_state(paths.job_id_file.read_text().strip())["state"] in ACTIVE
-    return len(_exit_codes(paths, attempt)) < len(ROLES)
+    return _local_launcher_alive(paths)
 
 
 def wait_for_end(paths: RunPaths, timeout_s: float | None = None, progress=None) -> dict:
-    """Poll the run until its job is no longer active; `progress.update()` on each poll."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    """Poll the run until its job is no longer active; `progress.update()` on each poll.
+
+    Without `timeout_s` it still ends: a job that squeue forgets before its end is known (UNKNOWN after
+    it was seen, or never seen within UNSEEN_S of the first poll) is reported as it stands."""
+    start = time.monotonic()
+    seen = False
     while True:
         if progress is not None:
             progress.update()
         status = run_status(paths)
         if status["state"] not in ACTIVE and status["state"] != "UNKNOWN":
             return status
-        if deadline is not None and time.monotonic() > deadline:
+        seen = seen or status["state"] in ACTIVE
+        waited = time.monotonic() - start
+        if status["state"] == "UNKNOWN" and (seen or waited > UNSEEN_S):
+            return status
+        if timeout_s is not None and waited > timeout_s:
             return status
         time.sleep(2.0)
 

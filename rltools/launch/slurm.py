@@ -38,16 +38,14 @@ from .sbatch import render_sbatch
 COMPONENTS = {GENERATOR_GROUP: "generators", TRAINER_GROUP: "trainers"}
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING"})
+LEFT_QUEUE = "LEFT_QUEUE"
+"""A job squeue and sacct knew and have forgotten (MinJobAge) before we saw how it ended."""
 FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
 
 
 def submit_job(config: RLConfig, paths: RunPaths) -> "SqueueJob":
     """Submit the run's hetjob; its id is written to the run directory for status/logs/cancel."""
-    if shutil.which("sbatch") is None:
-        raise UserError(
-            "sbatch not found: submit from a Slurm login node, or run on this machine with "
-            "cluster.launcher: local (--set cluster.launcher=local)"
-        )
+    _require_sbatch("or run on this machine with cluster.launcher: local (--set cluster.launcher=local)")
     if paths.job_id_file.exists():
         old = paths.job_id_file.read_text().strip()
         state = job_state(old)["state"]
@@ -75,9 +73,12 @@ class SqueueWatcher(core.InfoWatcher):
 
     def update(self) -> None:
         for job_id in self._registered - self._finished:
-            info = job_state(job_id)
-            self._info_dict[job_id] = {"State": info["state"]}
-            if info["state"] not in ACTIVE and info["state"] != "UNKNOWN":
+            state = job_state(job_id)["state"]
+            if state == "UNKNOWN" and "State" in self._info_dict.get(job_id, {}):
+                state = LEFT_QUEUE  # seen before, gone now without a final state: it will not come back
+            if state != "UNKNOWN":
+                self._info_dict[job_id] = {"State": state}
+            if state not in ACTIVE and state != "UNKNOWN":
                 self._finished.add(job_id)
         self._num_calls += 1
         self._last_status_check = time.time()
@@ -125,6 +126,11 @@ class HetJobExecutor(submitit.SlurmExecutor):
             pickle = job.paths.submitted_pickle
             os.link(pickle, self.paths.submitit_dir("generator") / pickle.name)
         return jobs
+
+
+def _require_sbatch(alternative: str) -> None:
+    if shutil.which("sbatch") is None:
+        raise UserError(f"sbatch not found: run this on a Slurm login node, {alternative}")
 
 
 def job_state(job_id: str) -> dict:
@@ -228,9 +234,7 @@ class EvalExecutor(submitit.SlurmExecutor):
 
 def submit_eval_job(config: RLConfig, paths: RunPaths, checkpoint: str, k: int | None, problems: int | None) -> SqueueJob:
     """Submit `run_eval` as a one-task Slurm job; `job.result()` is its summary."""
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch not found: run `rltools eval` on a Slurm login node, or with --local on a machine "
-                        "that can run vLLM")
+    _require_sbatch("or evaluate with --local on a machine that can run vLLM")
     from ..eval.run import run_eval
 
     return EvalExecutor(config, paths).submit(run_eval, config, checkpoint, k, problems, paths)

@@ -1,5 +1,6 @@
 """The reward types of `reward.type` and the factory that picks one (see rltools/reward/__init__.py)."""
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -32,11 +33,12 @@ INLINE: dict[str, Callable[[str, int], float]] = {
 }
 
 
-class Reward:
+class Reward(abc.ABC):
     """Scores completions; `close` releases worker processes (a no-op for inline verifiers)."""
 
+    @abc.abstractmethod
     def score(self, completions: Sequence[str], answers: Sequence) -> list[float]:
-        raise NotImplementedError
+        """One reward per (completion, answer) pair, in order."""
 
     def close(self) -> None:
         pass

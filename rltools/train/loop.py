@@ -73,7 +73,7 @@ def run_trainer(run_dir: str) -> int:
     if start:
         send(start)  # generators take the checkpoint's weights before generating anything
     generator_ranks = list(range(config.cluster.generators.ntasks))
-    done = start
+    done = checkpointed = start
     try:
         for step in range(start, config.schedule.steps):
             begin = time.perf_counter()
@@ -111,8 +111,9 @@ def run_trainer(run_dir: str) -> int:
                 append_metrics(paths, metrics)
             if done % config.schedule.checkpoint_every == 0 or done == config.schedule.steps:
                 backend.save(paths, done, model, trainer.optimizer, rank=env.rank, keep=config.schedule.keep_checkpoints)
+                checkpointed = done
             if env.rank == 0:  # one deleter: two ranks removing the same directory race (FileNotFoundError)
-                store.prune(consumed_through=step, checkpointed_through=paths.latest_checkpoint() - 1)
+                store.prune(consumed_through=step, checkpointed_through=checkpointed - 1)
     except Stopped as signal_name:
         return stop_at_checkpoint(env, paths, config, backend, done, str(signal_name), stop.is_warning)
     finally:

@@ -110,7 +110,10 @@ def test_the_time_limit_warning_checkpoints_and_resume_finishes(slurm, repo, tmp
 
     resumed = cli("resume", run_dir, "--set", "cluster.time=10", "--wait")  # with enough time this once
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming {run_dir} after {s['step']} of {steps} steps" in resumed.stderr
+    # Slurm may send the warning up to a minute early, so rarely before the first step: then there is
+    # no checkpoint yet and resume starts over, which is still the right thing to do
+    expected = f"resuming {run_dir} after {s['step']} of {steps} steps" if s["step"] else f"no checkpoint in {run_dir}"
+    assert expected in resumed.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(steps))
     final = status(run_dir)

@@ -105,8 +105,7 @@ def test_logs_print_each_task_log_under_a_header_and_follow_ends_with_the_run(re
     paths.attempt_log_dir(0).mkdir(parents=True)
     paths.task_log(0, "generator", 0).write_text("gen line\n")
     paths.task_log(0, "trainer", 0).write_text("trainer line\n")
-    for role in ("generator", "trainer"):
-        paths.component_exit(0, role).write_text("0\n")  # the run has ended: -f returns after one poll
+    # no live launcher (no slurm/local.pid) and no Slurm job: -f returns after one poll
     show_logs(paths, None, None, follow=True)
     out = capsys.readouterr().out
     assert out.index("generator_0.log <==\ngen line") < out.index("trainer_0.log <==\ntrainer line")
@@ -114,3 +113,21 @@ def test_logs_print_each_task_log_under_a_header_and_follow_ends_with_the_run(re
     assert "gen line" not in capsys.readouterr().out
     with pytest.raises(UserError, match="is rank 3 within"):
         show_logs(paths, "trainer", 3, follow=False)
+
+
+def test_waits_end_when_the_job_leaves_the_queue_without_a_known_end(repo, tmp_path, monkeypatch):
+    import rltools.launch.slurm as slurm
+    import rltools.monitor as monitor
+
+    paths = make_run(repo, tmp_path, "cluster.launcher=slurm")
+    paths.job_id_file.write_text("999999\n")  # neither squeue nor sacct knows it
+    monkeypatch.setattr(monitor, "UNSEEN_S", 0.0)
+    assert monitor.wait_for_end(paths)["state"] == "UNKNOWN"  # returns instead of polling forever
+
+    answers = iter(["RUNNING", "UNKNOWN"])
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: {"state": next(answers), "components": {}})
+    watcher = slurm.SqueueWatcher(delay_s=5)
+    assert watcher.get_state("7", mode="force") == "RUNNING"
+    watcher.update()  # the next poll: squeue has forgotten the job
+    assert watcher.get_state("7", mode="cache") == slurm.LEFT_QUEUE
+    assert watcher.is_done("7", mode="cache")  # submitit's job.result() stops waiting
