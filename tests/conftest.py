@@ -22,6 +22,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -1,10 +1,11 @@
 """The smallest shim that runs megatron-core 0.16.1 on CPU — for tests only; the product is unshimmed.
 
 megatron-core is GPU software: it creates tensors on `torch.cuda.current_device()` (RoPE frequencies,
-all-gather buffers, attention masks) and seeds dropout through a CUDA RNG state tracker. The
-rltools Megatron backend uses neither megatron's DDP, optimizer nor pipeline schedules (a plain
-torch optimizer steps the LoRA weights) and passes its own attention mask, so on CPU only these two
-calls need a CPU answer:
+all-gather buffers, attention masks, pipeline receive buffers), seeds dropout through a CUDA RNG
+state tracker, and its schedules synchronise CUDA streams. The rltools Megatron backend uses
+megatron's model and pipeline schedules but neither its DDP nor its optimizer (a plain torch
+optimizer steps the LoRA weights), and passes its own attention mask, so on CPU only these calls
+need a CPU answer:
 
 1. `torch.cuda.current_device()` returns "cpu": every tensor megatron places "on the current
    device" lands on the CPU.
@@ -12,6 +13,10 @@ calls need a CPU answer:
    whose `fork()` is a no-op, instead of seeding CUDA generators. Sound because the backend refuses
    dropout (`lora.dropout` and megatron's hidden/attention dropout are 0): the forks it skips
    would seed nothing.
+3. `torch.cuda.synchronize()` does nothing (the pipeline's send/receive waits for its requests
+   anyway; CPU work has no stream to wait for).
+4. The schedules' token counter, `torch.zeros(..., device="cuda")`, is made on the CPU: the
+   schedules module sees a `torch` whose `zeros` maps "cuda" to "cpu" (only that module).
 
 `megatron_on_cpu()` applies them for a block (tests that spawn their own ranks); `SITE_DIR` holds a
 `sitecustomize.py` that applies them in trainer processes the local launcher starts (put it first
@@ -19,6 +24,7 @@ on PYTHONPATH). `tests/gpu/test_megatron_gpu.py` runs the same model code withou
 """
 
 import contextlib
+import types
 from pathlib import Path
 
 import torch
@@ -27,23 +33,40 @@ SITE_DIR = Path(__file__).resolve().parent / "megatron_cpu_site"
 
 
 def install() -> tuple:
-    """Apply both patches; returns what they replaced (for `uninstall`)."""
+    """Apply the patches; returns what they replaced (for `uninstall`)."""
     from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
 
     def seed_without_cuda(seed: int, *args, **kwargs) -> None:
         random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
-    saved = torch.cuda.current_device, tensor_parallel.model_parallel_cuda_manual_seed
+    saved = (torch.cuda.current_device, tensor_parallel.model_parallel_cuda_manual_seed, torch.cuda.synchronize,
+             schedules.torch)
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.model_parallel_cuda_manual_seed = seed_without_cuda
+    torch.cuda.synchronize = lambda device=None: None
+    schedules.torch = _TorchOnCpu("torch")
     return saved
 
 
 def uninstall(saved: tuple) -> None:
     from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import schedules
 
-    torch.cuda.current_device, tensor_parallel.model_parallel_cuda_manual_seed = saved
+    (torch.cuda.current_device, tensor_parallel.model_parallel_cuda_manual_seed, torch.cuda.synchronize,
+     schedules.torch) = saved
+
+
+class _TorchOnCpu(types.ModuleType):
+    """`torch` as megatron's schedules module sees it under the shim: `zeros` on "cuda" is on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size, device=None, **kwargs):
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 @contextlib.contextmanager

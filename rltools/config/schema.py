@@ -158,7 +158,8 @@ class TrainerConfig(Section):
     tensor_parallel: int = Field(1, ge=1)
     """Megatron tensor-parallel degree; it must divide the trainer ranks (the rest is data parallelism)."""
     pipeline_parallel: int = Field(1, ge=1)
-    """Megatron pipeline-parallel degree (not built yet: the trainer stops at start-up unless 1)."""
+    """Megatron pipeline-parallel degree: the layers split into this many consecutive stages; it must
+    divide the layer count, and tensor_parallel x pipeline_parallel must divide the trainer ranks."""
     expert_parallel: int = Field(1, ge=1)
     """Megatron expert-parallel degree, MoE models (not built yet: the trainer stops at start-up unless 1)."""
 

@@ -82,8 +82,8 @@ def megatron_unsupported(config: RLConfig) -> list[str]:
     architecture is checked when the trainer reads its config.json)."""
     t, lora = config.trainer, config.lora
     missing = []
-    if t.pipeline_parallel != 1 or t.expert_parallel != 1:
-        missing.append("trainer.pipeline_parallel and trainer.expert_parallel > 1 (only tensor parallelism is built)")
+    if t.expert_parallel != 1:
+        missing.append("trainer.expert_parallel > 1 (tensor and pipeline parallelism are built, expert parallelism is not)")
     if not lora.enabled:
         missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
     if lora.dropout:

@@ -51,13 +51,8 @@ class Trainer:
             torch.from_numpy(batch.rewards), torch.from_numpy(batch.group_ids), scale_by_std=self.algorithm.type == "grpo"
         )
         local = np.array_split(np.arange(len(batch)), self.world_size)[self.rank]
-        sums: dict[str, float] = {}
         self.model.train()
-        for start in range(0, len(local), self.micro_batch_size):
-            indices = local[start : start + self.micro_batch_size]
-            micro = self._micro_step(batch, indices, advantages[indices].to(self.device), weight=len(indices) / len(local))
-            for key, value in micro.items():
-                sums[key] = sums.get(key, 0.0) + value * len(indices) / len(local)
+        sums = self._forward_backward(batch, local, advantages)
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -67,10 +62,24 @@ class Trainer:
         metrics["accuracy"] = float((batch.rewards > 0.5).mean())
         return metrics
 
-    def _micro_step(self, batch: RolloutBatch, indices: np.ndarray, advantages: torch.Tensor, weight: float) -> dict:
-        packed = pack(batch, indices, self.pad_id, self.device)
-        logprobs, entropy = self._logprobs(packed, with_entropy=True)
-        ref = self._reference_logprobs(packed) if self.algorithm.kl_coef > 0 else None
+    def _forward_backward(self, batch: RolloutBatch, local: np.ndarray, advantages: torch.Tensor) -> dict[str, float]:
+        """Accumulate the gradients of this rank's samples `local`, micro batch by micro batch;
+        returns the metrics averaged over them (backends override it)."""
+        sums: dict[str, float] = {}
+        for start in range(0, len(local), self.micro_batch_size):
+            indices = local[start : start + self.micro_batch_size]
+            packed = pack(batch, indices, self.pad_id, self.device)
+            logprobs, entropy = self._logprobs(packed, with_entropy=True)
+            ref = self._reference_logprobs(packed) if self.algorithm.kl_coef > 0 else None
+            loss, micro = self._loss(packed, logprobs, entropy, ref, advantages[indices].to(self.device))
+            weight = len(indices) / len(local)
+            (loss * weight).backward()
+            for key, value in micro.items():
+                sums[key] = sums.get(key, 0.0) + value * weight
+        return sums
+
+    def _loss(self, packed, logprobs, entropy, ref, advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The policy loss of one micro batch (mean over its samples) and its metrics."""
         loss, metrics = policy_loss(
             logprobs,
             packed.old_logprobs,
@@ -83,12 +92,11 @@ class Trainer:
             token_sum_norm=self.max_new_tokens if self.algorithm.type == "dr_grpo" else None,
             tis_cap=self.algorithm.tis_cap,
         )
-        (loss * weight).backward()
         tokens = packed.mask.sum().clamp(min=1)
         metrics["loss"] = float(loss.detach())
         metrics["entropy"] = float((entropy * packed.mask).sum() / tokens)
         metrics["logprob_diff"] = float(((logprobs.detach() - packed.old_logprobs).abs() * packed.mask).sum() / tokens)
-        return metrics
+        return loss, metrics
 
     def _logprobs(self, packed, with_entropy: bool = False):
         """Per-token logprobs [B, T] of the completions (and entropies); backends override it."""

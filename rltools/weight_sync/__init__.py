@@ -4,13 +4,14 @@
 moves named tensors over it (`rltools bench weights` measures it against a plain broadcast).
 """
 
-from .channel import StaleVersionError, Transfer, WeightReceiver, WeightSender
+from .channel import StaleVersionError, TensorStream, Transfer, WeightReceiver, WeightSender
 from .rendezvous import SyncGroup, SyncOptions, WeightSyncError, host_group, join_group
 
 __all__ = [
     "StaleVersionError",
     "SyncGroup",
     "SyncOptions",
+    "TensorStream",
     "Transfer",
     "WeightReceiver",
     "WeightSender",

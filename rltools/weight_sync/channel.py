@@ -16,14 +16,17 @@ One message on the wire (header and ack are int64, everything else uint8):
 
 Memory: a receiver holds two piece buffers (each max(bucket, largest tensor)), reused across
 messages, and never the whole model; the consumer is handed views into them that are valid only
-during the call — it must copy what it keeps (e.g. into vLLM's parameters).
+during the call — it must copy what it keeps (e.g. into vLLM's parameters). The sender holds every
+tensor of a message when it is given a plain list or iterator (the metadata goes first); given a
+`TensorStream` (the specs known before the tensors), it takes each tensor only when its piece is
+due, so it holds at most the open bucket, the piece being packed and those in flight.
 """
 
 import json
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,19 @@ OK, STALE, FAILED = 0, 1, 2
 MiB = 1 << 20
 
 Consumer = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class TensorStream:
+    """Named tensors produced on demand, with their (name, dtype, shape) known up front: what lets
+    `WeightSender.broadcast` stream a model it never holds whole. Iterating it yields the tensors
+    (once), in the order of `specs`."""
+
+    def __init__(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 tensors: Iterable[tuple[str, torch.Tensor]]):
+        self.specs, self._tensors = specs, tensors
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._tensors)
 
 
 class StaleVersionError(WeightSyncError):
@@ -145,6 +161,44 @@ class _Collectives:
         raise self.broken from error
 
 
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
+
+
+def _in_order(tensors: Iterator[tuple[str, torch.Tensor]], specs: list) -> Callable[[int], torch.Tensor]:
+    """`take(i)`: tensor i of a stream, checked against its spec. Pieces ask for tensors slightly out
+    of order (a big tensor may go before the open bucket of earlier small ones): those are held
+    until taken. `take(len(specs))` checks that the stream ends there."""
+    held: dict[int, torch.Tensor] = {}
+    produced = 0
+
+    def take(index: int) -> torch.Tensor:
+        nonlocal produced
+        while produced <= index:
+            item = next(tensors, None)
+            if produced == len(specs):
+                if item is not None:
+                    raise ValueError(f"weight-sync: the stream yields {item[0]!r} after the {len(specs)} tensors "
+                                     "its specs announce")
+                return None
+            if item is None:
+                raise ValueError(f"weight-sync: the stream ended after {produced} of the {len(specs)} tensors its "
+                                 f"specs announce (next: {specs[produced][0]!r})")
+            name, tensor = item
+            expected = specs[produced]
+            if (name, tensor.dtype, tuple(tensor.shape)) != expected[:3]:
+                raise ValueError(f"weight-sync: stream tensor {produced} is {name!r} {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}, its spec says {expected[0]!r} {expected[1]} {expected[2]}")
+            held[produced] = tensor
+            produced += 1
+        return held.pop(index)
+
+    return take
+
+
 def _wire_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 view: no copy when it is contiguous and on `device`."""
     tensor = tensor.detach().to(device).contiguous()
@@ -184,8 +238,13 @@ class WeightSender:
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"weight-sync: version {version} is not newer than the last version sent "
                              f"({self.last_version}); policy versions must increase")
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        specs = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in items]
+        if isinstance(named_tensors, TensorStream):
+            specs = [(n, dtype, tuple(shape), _nbytes(dtype, shape)) for n, dtype, shape in named_tensors.specs]
+            take = _in_order(iter(named_tensors), specs)
+        else:
+            items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            specs = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in items]
+            take = lambda index: items[index][1]  # noqa: E731
         plan = plan_pieces(specs, self.bucket_bytes, self.alone_bytes)
         meta = json.dumps({"kind": kind, "tensors": plan.tensors, "pieces": plan.pieces}).encode()
         device, ops = self.group.device, self._ops
@@ -193,13 +252,15 @@ class WeightSender:
         ops.wait(ops.broadcast(header, f"header of version {version} (waiting for every generator worker to receive)", timeout_s))
         ops.wait(ops.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device),
                                f"metadata of version {version}"))
-        self._send_pieces([t for _, t in items], plan, version)
+        self._send_pieces(take, plan, version)
+        if isinstance(named_tensors, TensorStream):
+            take(len(specs))  # the stream must end here (and a collective producer finishes)
         rows = ops.acknowledge(OK, None, f"acknowledgement of version {version} by the generator workers")
         self._raise_for_refusals(rows, version)
         self.last_version = version
-        return Transfer(version, kind, len(items), sum(s[3] for s in specs), len(plan.pieces))
+        return Transfer(version, kind, len(specs), sum(s[3] for s in specs), len(plan.pieces))
 
-    def _send_pieces(self, tensors: list[torch.Tensor], plan: _Plan, version: int) -> None:
+    def _send_pieces(self, take: Callable[[int], torch.Tensor], plan: _Plan, version: int) -> None:
         in_flight: deque = deque()
         buckets = 0
         for k, (nbytes, members) in enumerate(plan.pieces):
@@ -208,23 +269,23 @@ class WeightSender:
             while len(in_flight) >= self.max_in_flight:
                 self._ops.wait(in_flight.popleft())
             if len(members) == 1 and nbytes >= self.alone_bytes:
-                data = _wire_bytes(tensors[members[0][0]], self.group.device)
+                data = _wire_bytes(take(members[0][0]), self.group.device)
             else:
-                data = self._pack(buckets % self.max_in_flight, tensors, members, nbytes)
+                data = self._pack(buckets % self.max_in_flight, take, members, nbytes)
                 buckets += 1
             what = f"broadcast of version {version} piece {k + 1}/{len(plan.pieces)} ({nbytes / MiB:.1f} MiB)"
             in_flight.append(self._ops.broadcast(data, what))
         while in_flight:
             self._ops.wait(in_flight.popleft())
 
-    def _pack(self, slot: int, tensors: list[torch.Tensor], members: list, nbytes: int) -> torch.Tensor:
+    def _pack(self, slot: int, take: Callable[[int], torch.Tensor], members: list, nbytes: int) -> torch.Tensor:
         while len(self._pack_buffers) <= slot:
             self._pack_buffers.append(torch.empty(0, dtype=torch.uint8, device=self.group.device))
         if self._pack_buffers[slot].numel() < nbytes:
             self._pack_buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         buffer = self._pack_buffers[slot][:nbytes]
         for index, offset in members:
-            data = _wire_bytes(tensors[index], self.group.device)
+            data = _wire_bytes(take(index), self.group.device)
             buffer[offset:offset + data.numel()].copy_(data)
         return buffer
 
@@ -324,8 +385,4 @@ def _view(data: torch.Tensor, spec: list, offset: int) -> tuple[str, torch.Tenso
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         raise WeightSyncError(f"weight-sync: tensor {name!r} has unknown dtype {dtype_name!r}: trainer and generators run different torch versions")
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * dtype.itemsize
-    return name, data[offset:offset + nbytes].view(dtype).reshape(shape)
+    return name, data[offset:offset + _nbytes(dtype, shape)].view(dtype).reshape(shape)

@@ -1,7 +1,8 @@
 """The Megatron backend on CUDA, without the CPU shim (skipped without a GPU).
 
 Not run on the CPU machines this project is developed on: whether it passes is unverified until a
-GPU runs it. One GPU, TP=1: logits against the HF model, one GRPO step, the weight export.
+GPU runs it. One GPU, TP=1 PP=1: logits against the HF model, one GRPO step through megatron's
+schedule, the weight export.
 """
 
 from pathlib import Path
@@ -16,13 +17,14 @@ TINY = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
 
 def test_megatron_policy_on_cuda_matches_hf_and_trains():
     from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
-    from rltools.train.megatron.model import export_weights, init_parallel, load_megatron_policy
+    from rltools.train.megatron.model import export_weights, load_megatron_policy
+    from rltools.train.megatron.parallel import init_parallel
     from rltools.train.megatron.trainer import MegatronTrainer
     from rltools.train.model import load_policy
     from tests.integration.test_trainer import LORA, synthetic_batch
 
     torch.cuda.set_device(0)
-    init_parallel(1, seed=0)
+    init_parallel(1, 1, seed=0)
     model_cfg = ModelConfig(path=str(TINY), dtype="float32")
     policy = load_megatron_policy(model_cfg, LORA).cuda()
     hf = load_policy(model_cfg, LoraConfig(enabled=False)).cuda()

@@ -18,7 +18,8 @@ import time
 import torch
 
 from rltools.paths import RunPaths
-from rltools.weight_sync import StaleVersionError, SyncOptions, WeightReceiver, WeightSender, host_group, join_group
+from rltools.weight_sync import (StaleVersionError, SyncOptions, TensorStream, WeightReceiver, WeightSender, host_group,
+                                 join_group)
 
 SMALL = {"bucket_bytes": 64 << 10, "alone_bytes": 16 << 10}  # tiny pieces: several buckets and alone pieces
 
@@ -50,6 +51,35 @@ def lora(seed: int, device: str) -> dict[str, torch.Tensor]:
             for i in range(2) for ab, shape in (("A", (8, 64)), ("B", (64, 8)))}
 
 
+def _produced(tensors: dict[str, torch.Tensor], out: dict):
+    """Yield a copy of each tensor, recording in out["most_alive"] how many copies' memory was alive
+    at once (each copy's bytes live in a numpy array, which is freed with the last view of it)."""
+    import weakref
+
+    import numpy as np
+
+    alive = [0]
+
+    def released():
+        alive[0] -= 1
+
+    out["most_alive"] = 0
+    for name, tensor in tensors.items():
+        data = tensor.detach().cpu().contiguous()
+        if data.numel() == 0:  # no memory to track
+            yield name, tensor.clone()
+            continue
+        buffer = np.empty(data.numel() * data.element_size(), dtype=np.uint8)
+        copy = torch.from_numpy(buffer).view(data.dtype).reshape(data.shape)
+        copy.copy_(data)
+        alive[0] += 1
+        weakref.finalize(buffer, released)
+        del buffer, data
+        out["most_alive"] = max(out["most_alive"], alive[0])
+        yield name, copy.to(tensor.device)
+        del copy
+
+
 def digests(pairs) -> dict[str, list]:
     return {name: [str(t.dtype), list(t.shape), hashlib.sha256(t.detach().cpu().contiguous().reshape(-1)
                                                                  .view(torch.uint8).numpy().tobytes()).hexdigest()]
@@ -66,6 +96,10 @@ def host(group, scenario: str, device: str, out: dict) -> None:
         for version, kind, tensors in ((1, "full", model(1, device)), (2, "lora", lora(2, device)), (3, "full", model(3, device))):
             sent = sender.broadcast(tensors, version, kind)
             out["sent"].append({"version": version, "kind": kind, "pieces": sent.pieces, "tensors": digests(tensors.items())})
+        tensors = model(4, device)  # version 4 streams: produced on demand, never all held by the sender
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+        sent = sender.broadcast(TensorStream(specs, _produced(tensors, out)), 4, "full")
+        out["sent"].append({"version": 4, "kind": "full", "pieces": sent.pieces, "tensors": digests(tensors.items())})
     elif scenario == "stale":
         sender.broadcast(model(1, device), 5)
         started = time.monotonic()
@@ -103,7 +137,7 @@ def join(group, scenario: str, rank: int, out: dict) -> None:
     receiver = WeightReceiver(group)
     if scenario == "die-after-header" and rank == 2:
         receiver._receive_pieces = lambda *args: os._exit(17)  # header and metadata in, no piece yet
-    expected = {"roundtrip": 3, "stale": 3, "consumer-fails": 2}.get(scenario, 1)
+    expected = {"roundtrip": 4, "stale": 3, "consumer-fails": 2}.get(scenario, 1)
     for _ in range(expected):
         seen: list = []
 

@@ -1,11 +1,11 @@
-"""The Megatron backend on the real tiny model, TP=2 on two CPU processes (gloo), against HF/peft and
-the FSDP2 backend. megatron-core runs here through the test-only shim `tests/megatron_cpu.py`.
+"""The Megatron backend on the real tiny model, at TP=2, DP=2, PP=2 and TP=2 x PP=2 on CPU processes
+(gloo), against HF/peft and the FSDP2 backend. megatron-core runs here through the test-only shim
+`tests/megatron_cpu.py`.
 
-One TP=2 run (module fixture) records logits, exports, GRPO steps and a checkpoint; the tests then
-compare pieces of it. Tolerances are fp32 ones: the computations are the same up to summation order.
+One run per layout (module fixture) records logits, exports, GRPO steps and a checkpoint; the
+tests then compare pieces of it. Tolerances are fp32 ones: the computations are the same up to summation order.
 """
 
-import shutil
 import socket
 
 import pytest
@@ -18,6 +18,7 @@ from rltools.train.model import export_adapter, load_policy
 from .test_trainer import LORA, _train_one_step, synthetic_batch
 
 STEPS = 3  # GRPO steps compared with FSDP2; the checkpoint is written after step 1
+KL = AlgorithmConfig(learning_rate=1e-2, kl_coef=0.5)
 
 
 def _ids() -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,13 +28,15 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mode: str, tp: int) -> None:
+def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mode: str, tp: int, pp: int) -> None:
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from rltools.train.megatron import checkpoint as mckpt
     from rltools.train.megatron.model import export_adapter as m_adapter
     from rltools.train.megatron.model import export_weights as m_weights
-    from rltools.train.megatron.model import init_parallel, load_adapter, load_megatron_policy
+    from rltools.train.megatron.model import load_adapter, load_megatron_policy
+    from rltools.train.megatron.parallel import init_parallel
     from rltools.train.megatron.trainer import MegatronTrainer
     from tests.megatron_cpu import megatron_on_cpu
 
@@ -41,62 +44,98 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mod
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     with megatron_on_cpu():
-        init_parallel(tp, seed=0)
+        init_parallel(tp, pp, seed=0)
         policy = load_megatron_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
         if mode != "logits":
             load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
-        dp_rank, dp_size = rank // tp, world // tp  # megatron orders TP ranks innermost
         trainer = MegatronTrainer(policy, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2,
-                                  max_new_tokens=6, pad_id=0, device=torch.device("cpu"), rank=dp_rank,
-                                  world_size=dp_size)
-        result = {}
-        if mode == "logits":  # another architecture: forward and export only
-            with torch.no_grad():
-                result["logits"] = policy(*_ids())
-            result["base_weights"] = dict(m_weights(policy))
-        elif mode == "train":
-            with torch.no_grad():
-                result["logits"] = policy(*_ids())
-            result["base_weights"] = dict(m_weights(policy))
+                                  max_new_tokens=6, pad_id=0, device=torch.device("cpu"),
+                                  rank=parallel_state.get_data_parallel_rank(),
+                                  world_size=parallel_state.get_data_parallel_world_size())
+        result = {"layers": len(policy.gpt.decoder.layers)}  # on rank 0: the first stage's
+        if mode in ("logits", "train"):
+            result["logits"] = _logits(policy)
+            stream = m_weights(policy)
+            result["weight_specs"], result["base_weights"] = stream.specs, _copies(stream)
+        if mode == "train":
             result["metrics"] = []
             for step in range(STEPS):
                 result["metrics"].append(trainer.step(synthetic_batch(seed=step)))
                 if step == 1:
-                    result["weights_after_2"] = dict(m_weights(policy))
+                    result["weights_after_2"] = _copies(m_weights(policy))
                 if step == 0:
                     mckpt.save(RunPaths(run_dir), 1, policy, trainer.optimizer, rank=rank, keep=2)
-        else:  # resume the TP=2 checkpoint at this TP degree
+        elif mode == "resume":  # resume the checkpoint of the "train" run at this layout
             result["meta"] = mckpt.load(RunPaths(run_dir), 1, policy, trainer.optimizer, rank=rank)
             for step in range(1, STEPS):
                 result["metrics"] = trainer.step(synthetic_batch(seed=step))
-        result["weights"] = dict(m_weights(policy))
-        result["adapter"] = dict(m_adapter(policy))
-        with torch.no_grad():
-            result["trained_logits"] = policy(*_ids())
+        result["weights"] = _copies(m_weights(policy))
+        result["adapter"] = _copies(m_adapter(policy))
+        result["trained_logits"] = _logits(policy)
+        if mode == "train":  # one more step with a KL penalty: the reference pass with the adapters off
+            kl_trainer = MegatronTrainer(policy, KL, micro_batch_size=2, max_new_tokens=6, pad_id=0,
+                                         device=torch.device("cpu"), rank=parallel_state.get_data_parallel_rank(),
+                                         world_size=parallel_state.get_data_parallel_world_size())
+            result["kl_metrics"] = kl_trainer.step(synthetic_batch(seed=STEPS))
     if rank == 0:
-        torch.save(result, f"{run_dir}/{mode}_{world}_tp{tp}.pt")
+        torch.save(result, f"{run_dir}/{mode}_{world}_tp{tp}_pp{pp}.pt")
     dist.destroy_process_group()
 
 
-def _spawn(world: int, model_path, run_dir, mode: str, tp: int | None = None) -> dict:
+def _copies(named_tensors) -> dict:
+    """An export kept past later steps: exported tensors may be views of the live parameters."""
+    return {name: tensor.clone() for name, tensor in named_tensors}
+
+
+def _logits(policy) -> torch.Tensor:
+    """The logits of `_ids()` through every pipeline stage, on every rank: megatron's schedule,
+    forward only, as the trainer runs it (with one stage, that is a plain forward)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rltools.train.megatron.parallel import from_last_stage
+
+    ids, mask = _ids()
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=lambda _, model: (model(ids, mask), lambda logits, non_loss_data: logits),
+            data_iterator=iter([0]), model=policy, num_microbatches=1, seq_length=ids.shape[1],
+            micro_batch_size=ids.shape[0], forward_only=True, collect_non_loss_data=True)
+    return from_last_stage(out[0] if out else None)
+
+
+def _spawn(world: int, model_path, run_dir, mode: str, tp: int | None = None, pp: int = 1) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tp = tp or world
-    mp.spawn(_worker, args=(world, port, str(model_path), str(run_dir), mode, tp), nprocs=world)
-    return torch.load(f"{run_dir}/{mode}_{world}_tp{tp}.pt", weights_only=False)
+    tp = tp or world // pp
+    mp.spawn(_worker, args=(world, port, str(model_path), str(run_dir), mode, tp, pp), nprocs=world)
+    return torch.load(f"{run_dir}/{mode}_{world}_tp{tp}_pp{pp}.pt", weights_only=False)
+
+
+# layout -> (trainer ranks, TP, PP); DP is what is left (megatron orders TP innermost, then DP, then PP)
+LAYOUTS = {"tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2), "tp2pp2": (4, 2, 2)}
 
 
 @pytest.fixture(scope="module")
-def tp2(tiny_model, tmp_path_factory):
-    """A TP=2 run that starts from the adapters peft initialises under seed 0 (as the FSDP2 run)."""
-    run_dir = tmp_path_factory.mktemp("megatron")
+def trained(tiny_model, tmp_path_factory):
+    """layout -> (run dir, its "train" run); each layout runs once per module, all from the adapters
+    peft initialises under seed 0 (as the FSDP2 run)."""
     torch.manual_seed(0)
     peft_model = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LORA)
-    torch.save(dict(export_adapter(peft_model)), run_dir / "initial_adapter.pt")
-    return run_dir, _spawn(2, tiny_model, run_dir, "train")
+    initial = dict(export_adapter(peft_model))
+    runs = {}
+
+    def run(layout: str):
+        if layout not in runs:
+            run_dir = tmp_path_factory.mktemp(layout)
+            torch.save(initial, run_dir / "initial_adapter.pt")
+            world, tp, pp = LAYOUTS[layout]
+            runs[layout] = run_dir, _spawn(world, tiny_model, run_dir, "train", tp=tp, pp=pp)
+        return runs[layout]
+
+    return run
 
 
 def test_conversion_round_trip_is_exact(tiny_model):
@@ -117,24 +156,33 @@ def test_conversion_round_trip_is_exact(tiny_model):
     assert all(torch.equal(back[n], hf[n]) for n in hf)
 
 
-def test_tp2_logits_equal_the_hf_model(tp2, tiny_model):
-    _, run = tp2
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_logits_equal_the_hf_model(layout, trained, tiny_model):
+    """TP=2, and PP=2 (two layers per stage, activations sent between them), equal HF; the weight
+    export, gathered over TP and sent stage by stage to rank 0, is the HF checkpoint exactly."""
+    _, run = trained(layout)
     hf = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LoraConfig(enabled=False))
     ids, mask = _ids()
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
     real = mask.bool()
     diff = (run["logits"] - expected)[real].abs().max().item()
-    print(f"max |TP=2 - HF| logit: {diff:.2e}")
-    assert diff < 1e-4, f"max |TP=2 - HF| logit {diff:.2e}"
+    print(f"max |{layout} - HF| logit: {diff:.2e}")
+    assert diff < 1e-4, f"max |{layout} - HF| logit {diff:.2e}"
     base = dict(hf.state_dict())
-    assert run["base_weights"].keys() == base.keys()
-    assert all(torch.equal(run["base_weights"][n], base[n]) for n in base)  # gathered export is exact
+    assert run["base_weights"].keys() == base.keys()  # every weight on rank 0, layer after layer
+    layers = [int(n.split(".")[2]) for n in run["base_weights"] if n.startswith("model.layers.")]
+    assert layers == sorted(layers)
+    # announced before any weight is gathered (the weight sender streams them by these specs)
+    assert run["weight_specs"] == [(n, t.dtype, tuple(t.shape)) for n, t in run["base_weights"].items()]
+    assert all(torch.equal(run["base_weights"][n], base[n]) for n in base)
 
 
-def test_grouped_query_attention_and_tied_embeddings_at_tp2(tmp_path):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_grouped_query_attention_and_tied_embeddings(tp, pp, tmp_path):
     """The tiny model has as many KV heads as heads and an untied head: check the q/k/v grouping
-    (2 query heads per KV head) and a tied output layer on a random Llama with both."""
+    (2 query heads per KV head) and a tied output layer on a random Llama with both — shared at
+    TP=2, a second copy on the last stage at PP=2."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -143,12 +191,12 @@ def test_grouped_query_attention_and_tied_embeddings_at_tp2(tmp_path):
                          tie_word_embeddings=True, rms_norm_eps=1e-6)
     hf = LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "gqa")
-    run = _spawn(2, tmp_path / "gqa", tmp_path, "logits")
+    run = _spawn(2, tmp_path / "gqa", tmp_path, "logits", tp=tp, pp=pp)
     ids, mask = _ids()
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
     diff = (run["logits"] - expected)[mask.bool()].abs().max().item()
-    assert diff < 1e-4, f"max |TP=2 - HF| logit {diff:.2e}"
+    assert diff < 1e-4, f"max |TP={tp} PP={pp} - HF| logit {diff:.2e}"
     base = {n: t for n, t in hf.state_dict().items() if n != "lm_head.weight"}  # tied: vLLM needs no lm_head
     assert run["base_weights"].keys() == base.keys()
     assert all(torch.equal(run["base_weights"][n], base[n]) for n in base)
@@ -162,43 +210,69 @@ def fsdp2(tiny_model, tmp_path_factory):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
-def test_grpo_steps_match_fsdp2_on_the_same_data(layout, tp2, fsdp2, tiny_model, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grpo_steps_match_fsdp2_on_the_same_data(layout, trained, fsdp2):
     """Same adapters at start, same rollouts: loss, grad norm and weights follow the FSDP2 backend,
-    at TP=2 and at TP=1 x DP=2 (each DP rank trains on half the samples)."""
+    at TP=2, at TP=1 x DP=2 (each DP rank trains on half the samples), at PP=2 (1F1B over two
+    stages, micro batches of their own lengths) and at TP=2 x PP=2."""
     fsdp = fsdp2
-    if layout == "tp2":
-        _, run = tp2
-    else:
-        shutil.copy(tp2[0] / "initial_adapter.pt", tmp_path)
-        run = _spawn(2, tiny_model, tmp_path, "train", tp=1)
+    _, run = trained(layout)
+    assert run["layers"] == 4 // LAYOUTS[layout][2]  # the tiny model's 4 layers, split over the stages
     for ours, theirs in zip(run["metrics"], fsdp["metrics"]):
+        assert ours.keys() == theirs.keys()
         assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-4)
         assert ours["reward_mean"] == theirs["reward_mean"]
     assert run["metrics"][0]["grad_norm"] > 0
     # merged weights after both steps; Adam's 1/sqrt(v) magnifies summation-order noise on weights
     # with tiny gradients (seen: up to 3.4e-6, against updates of ~1e-2)
+    assert run["weights_after_2"].keys() == fsdp["weights"].keys()
     for name, tensor in fsdp["weights"].items():
         torch.testing.assert_close(run["weights_after_2"][name], tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_tp2_checkpoint_resumes_at_tp1(tp2, tiny_model):
-    run_dir, run = tp2
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_kl_penalty_matches_fsdp2(layout, trained, tiny_model):
+    """With algorithm.kl_coef > 0 the schedule first runs forward only with the adapters off (the
+    reference policy); the KL and the loss then equal the FSDP2 Trainer's on the same adapters."""
+    from peft import set_peft_model_state_dict
+
+    from rltools.train.trainer import Trainer
+
+    _, run = trained(layout)
+    model = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LORA)
+    set_peft_model_state_dict(model, run["adapter"])  # the trained adapters (B far from 0: the KL is not 0)
+    theirs = Trainer(model, KL, micro_batch_size=2, max_new_tokens=6, pad_id=0,
+                     device=torch.device("cpu")).step(synthetic_batch(seed=STEPS))
+    ours = run["kl_metrics"]
+    print(f"{layout}: kl {ours['kl']:.6f} vs FSDP2 {theirs['kl']:.6f}")
+    assert theirs["kl"] > 1e-4
+    assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-3)
+    assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2pp2"])
+def test_checkpoint_resumes_on_one_rank(layout, trained, tiny_model):
+    """A checkpoint written at TP=2, PP=2 or both resumes at TP=1 PP=1 and trains on identically."""
+    run_dir, run = trained(layout)
     resumed = _spawn(1, tiny_model, run_dir, "resume")
     assert resumed["meta"]["step"] == 1
     # Without Adam's moments steps 2-3 would differ by ~lr (1e-2) per weight; TP=1 sums in another
     # order than TP=2, which Adam's 1/sqrt(v) magnifies for weights with tiny gradients (seen: up to 1.4e-5; 5e-5 = 0.5% of lr).
+    assert resumed["adapter"].keys() == run["adapter"].keys()
     for name, tensor in run["adapter"].items():
         torch.testing.assert_close(resumed["adapter"][name], tensor, rtol=1e-4, atol=5e-5)
 
 
-def test_adapter_export_loads_in_peft(tp2, tiny_model, tmp_path):
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_adapter_export_loads_in_peft(layout, trained, tiny_model, tmp_path):
     from peft import PeftModel
 
     from rltools.eval.checkpoints import save_policy
 
-    _, run = tp2
+    _, run = trained(layout)
     assert any(t.abs().sum() > 0 for n, t in run["adapter"].items() if "lora_B" in n)  # trained: B moved off 0
     save_policy(tmp_path / "adapter", list(run["adapter"].items()), "lora", str(tiny_model), LORA, step=STEPS)
     base = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LoraConfig(enabled=False))
@@ -209,5 +283,7 @@ def test_adapter_export_loads_in_peft(tp2, tiny_model, tmp_path):
     diff = (run["trained_logits"] - logits)[mask.bool()].abs().max().item()
     assert diff < 1e-4, f"max |Megatron - peft(exported adapter)| logit {diff:.2e}"
     merged = peft_model.merge_and_unload().state_dict()
+    assert run["weights"].keys() == merged.keys()
     for name, tensor in merged.items():  # the merged full-weight export agrees with peft's merge
         torch.testing.assert_close(run["weights"][name], tensor, rtol=1e-5, atol=1e-6)
+

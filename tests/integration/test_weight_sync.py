@@ -74,12 +74,14 @@ def test_full_and_lora_updates_arrive_bitwise_equal_in_version_order(tmp_path):
     host = Peer(tmp_path, paths.root, "host", 0, *args)
     sent = host.result(20)
     assert "setup_error" not in sent, sent
-    assert [m["version"] for m in sent["sent"]] == [1, 2, 3]
+    assert [m["version"] for m in sent["sent"]] == [1, 2, 3, 4]
     assert sent["sent"][0]["pieces"] > 3, "full weights travel in several pieces (alone + buckets)"
+    # version 4 was a TensorStream of 45 tensors: the sender held a bucket's worth of them at most
+    assert 1 <= sent["most_alive"] <= 10, sent["most_alive"]
     for joiner in joiners:
         got = joiner.result(20)
         assert not got["errors"] and "setup_error" not in got, got
-        assert [(m["version"], m["kind"]) for m in got["received"]] == [(1, "full"), (2, "lora"), (3, "full")]
+        assert [(m["version"], m["kind"]) for m in got["received"]] == [(1, "full"), (2, "lora"), (3, "full"), (4, "full")]
         for want, have in zip(sent["sent"], got["received"]):
             assert have["tensors"] == want["tensors"]  # names, dtypes, shapes and sha256 of the bytes
             assert have["pieces"] == want["pieces"]
@@ -219,6 +221,20 @@ def test_the_group_rendezvous_store_rejects_a_forged_record(tmp_path):
     store.set(sealed._name("0/1"), forged)
     with pytest.raises(WeightSyncError, match="failed authentication"):
         sealed.get("0/1")
+
+
+@pytest.mark.parametrize("produced, message", [
+    ([("a", (2,)), ("b", (3,))], "stream tensor 1 is 'b' torch.float32 \\(3,\\), its spec says 'b' torch.float32 \\(2,\\)"),
+    ([("a", (2,))], "ended after 1 of the 2 tensors its specs announce \\(next: 'b'\\)"),
+    ([("a", (2,)), ("b", (2,)), ("c", (1,))], "yields 'c' after the 2 tensors"),
+])
+def test_a_stream_that_breaks_its_specs_is_named(produced, message):
+    from rltools.weight_sync.channel import _in_order
+
+    take = _in_order(iter([(name, torch.zeros(shape)) for name, shape in produced]),
+                     [("a", torch.float32, (2,), 8), ("b", torch.float32, (2,), 8)])
+    with pytest.raises(ValueError, match=message):
+        take(1), take(0), take(2)
 
 
 def test_plan_packs_small_tensors_aligned_into_bounded_buckets():

@@ -10,7 +10,7 @@ from rltools.errors import UserError
 
 pytest.importorskip("torch")
 
-LLAMA = SimpleNamespace(model_type="llama", hidden_act="silu", num_key_value_heads=4, vocab_size=100,
+LLAMA = SimpleNamespace(model_type="llama", hidden_act="silu", num_key_value_heads=4, vocab_size=100, num_hidden_layers=4,
                         rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 
@@ -22,12 +22,14 @@ def check(lora=LoraConfig(), model=ModelConfig(path="m"), hf=LLAMA, tp=2, pp=1, 
     check_supported(config, hf, world)
 
 
-def test_a_supported_setup_passes():
-    check()
+@pytest.mark.parametrize("kwargs", [dict(), dict(tp=1, pp=2), dict(tp=2, pp=2, world=8), dict(tp=1, pp=4, world=4)])
+def test_a_supported_setup_passes(kwargs):
+    check(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(pp=2), "pipeline_parallel"),
+    (dict(tp=1, pp=3, world=3), "layer count"),
+    (dict(tp=2, pp=2, world=6), r"tensor_parallel x trainer.pipeline_parallel \(2 x 2\) must divide them"),
     (dict(ep=4), "expert_parallel"),
     (dict(world=3), "must divide them"),
     (dict(lora=LoraConfig(enabled=False)), "full fine-tuning"),

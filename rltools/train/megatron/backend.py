@@ -1,12 +1,13 @@
 """`trainer.backend: megatron` for the role loop: trainer ranks form data-parallel replicas of
-`trainer.tensor_parallel` ranks each."""
+`trainer.tensor_parallel` x `trainer.pipeline_parallel` ranks each."""
 
 import torch
 
 from ...errors import UserError
 from ..backend import Backend
 from . import checkpoint
-from .model import check_supported, export_adapter, export_weights, init_parallel, load_megatron_policy
+from .model import check_supported, export_adapter, export_weights, load_megatron_policy
+from .parallel import init_parallel
 from .trainer import MegatronTrainer
 
 
@@ -17,11 +18,11 @@ def build(config, env, trainer_args: dict) -> Backend:
     hf_config = AutoConfig.from_pretrained(config.model.path, local_files_only=True)
     check_supported(config, hf_config, env.world_size)
     _require_cuda()
-    init_parallel(t.tensor_parallel, config.run.seed)
+    init_parallel(t.tensor_parallel, t.pipeline_parallel, config.run.seed)
     from megatron.core import parallel_state
 
     policy = load_megatron_policy(config.model, config.lora).to(trainer_args["device"])
-    # the TP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
+    # the TP and PP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
     trainer = MegatronTrainer(policy, config.algorithm, rank=parallel_state.get_data_parallel_rank(),
                               world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)
     return Backend(policy, trainer, export_weights, export_adapter, checkpoint.save, checkpoint.load)

@@ -2,10 +2,11 @@
 
 What is saved is what `rltools.checkpoint` saves for a peft model: the LoRA adapters under peft's
 parameter names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`) and
-their AdamW moments, as full tensors — gathered over TP before the save, split again at load. So a
-checkpoint written at one TP degree resumes at any other (or on FSDP2); the adapters are small,
-so gathering them costs little. Everything else (atomic directories, markers, RNG, keep-last-K)
-is `rltools.checkpoint`'s.
+their AdamW moments, as full tensors — gathered over TP before the save, split again at load; each
+pipeline stage saves and loads its own layers' adapters (global layer numbers, so the keys of the
+stages never collide). So a checkpoint written at one TP or PP degree resumes at any other (or on
+FSDP2); the adapters are small, so gathering them costs little. Everything else (atomic
+directories, markers, RNG, keep-last-K) is `rltools.checkpoint`'s.
 """
 
 import torch
@@ -13,7 +14,8 @@ from torch import nn
 
 from ... import checkpoint
 from .lora import split_dim
-from .model import MegatronPolicy, adapter_names, gather, projection_of, tp_rank_size
+from .model import MegatronPolicy, adapter_names, projection_of
+from .parallel import gather, tp_rank_size
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -2,12 +2,18 @@
 safetensors one weight at a time (each TP rank keeps its shard), with LoRA on the parallel linears.
 
 Invariants:
+- Each pipeline stage builds and loads only its own layers (the first stage the embedding, the last
+  the final norm and output layer); parameter names inside a stage count layers from 0, names
+  outside it (HF, PEFT, checkpoints) are global.
 - Every exported tensor has the Hugging Face name and full shape an HF model would load:
   `export_weights` merges the LoRA deltas and yields one weight at a time (gathered over TP just
-  before it is yielded), so no rank holds the whole model; `export_adapter` yields the same PEFT
-  names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) as the FSDP2 backend.
-- Collectives: building, exporting and `adapter_state` are collective over the TP group; every
-  trainer rank must call them in the same order.
+  before it is yielded, sent from its stage to rank 0), so no rank holds the whole model;
+  `export_adapter` yields the same PEFT names
+  (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) as the FSDP2 backend.
+- A tied embedding is untied when the pipeline has more than one stage: the last stage loads its
+  own copy of it as the output layer. Both stay equal because the base model is frozen.
+- Collectives: building, exporting and `adapter_state` are collective over the trainer ranks;
+  every trainer rank must call them in the same order.
 """
 
 import contextlib
@@ -16,13 +22,14 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...config.schema import LoraConfig, ModelConfig
 from ...errors import UserError
 from . import convert
 from .lora import FUSED, LoraParallelLinear, split_dim
+from ...weight_sync.channel import TensorStream
+from .parallel import every_stage, gather, pp_rank_size, shards, to_first_stage, tp_rank_size
 
 PEFT_PREFIX = "base_model.model."
 
@@ -33,10 +40,26 @@ class MegatronPolicy(nn.Module):
     def __init__(self, gpt: nn.Module, shape: convert.Shape, lora_scale: float | None):
         super().__init__()
         self.gpt, self.shape, self.lora_scale = gpt, shape, lora_scale
+        self.config, self.model_type = gpt.config, gpt.model_type  # what megatron's schedules look up
+        layers = gpt.decoder.layers
+        self.first_layer = layers[0].layer_number - 1 if len(layers) else 0  # global index of local layer 0
+
+    def set_input_tensor(self, tensor) -> None:
+        """The previous stage's activations (megatron's pipeline schedules call it)."""
+        self.gpt.set_input_tensor(tensor)
+
+    def global_name(self, name: str) -> str:
+        """A parameter name of this stage's GPTModel with the global layer number."""
+        if not name.startswith("decoder.layers."):
+            return name
+        local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+        return f"decoder.layers.{int(local) + self.first_layer}.{rest}"
 
     def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, S, vocab] (full vocabulary on every TP rank) of left- or right-padded rows;
-        `key_mask` [B, S] is 1 for real tokens. Padding positions produce junk logits."""
+        `key_mask` [B, S] is 1 for real tokens. Padding positions produce junk logits. A stage
+        before the last returns its hidden states [S, B, hidden] instead; a stage after the first
+        reads its input from `set_input_tensor`, not from `input_ids`."""
         positions = (key_mask.cumsum(1) - 1).clamp(min=0)
         length = input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
@@ -44,11 +67,12 @@ class MegatronPolicy(nn.Module):
         return self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=masked)
 
     def lora_layers(self) -> Iterator[tuple[int, str, LoraParallelLinear]]:
+        """(global layer index, module path, module) of this stage's LoRA-wrapped layers."""
         for i, layer in enumerate(self.gpt.decoder.layers):
             for path in FUSED:
                 module = layer.get_submodule(path)
                 if isinstance(module, LoraParallelLinear):
-                    yield i, path, module
+                    yield self.first_layer + i, path, module
 
     @contextlib.contextmanager
     def disable_adapter(self):
@@ -68,10 +92,15 @@ def check_supported(config, hf_config, world_size: int) -> None:
     config-only part already ran at submit time (launch.plan.megatron_unsupported)."""
     from ...launch.plan import megatron_unsupported
 
-    tensor_parallel, lora_cfg = config.trainer.tensor_parallel, config.lora
+    tensor_parallel, pipeline_parallel = config.trainer.tensor_parallel, config.trainer.pipeline_parallel
+    lora_cfg = config.lora
     missing = megatron_unsupported(config)
-    if world_size % tensor_parallel:
-        missing.append(f"{world_size} trainer ranks: trainer.tensor_parallel ({tensor_parallel}) must divide them")
+    if world_size % (tensor_parallel * pipeline_parallel):
+        missing.append(f"{world_size} trainer ranks: trainer.tensor_parallel x trainer.pipeline_parallel "
+                       f"({tensor_parallel} x {pipeline_parallel}) must divide them")
+    if hf_config.num_hidden_layers % pipeline_parallel:
+        missing.append(f"{hf_config.num_hidden_layers} layers over trainer.pipeline_parallel {pipeline_parallel} "
+                       "stages (it must divide the layer count)")
     if getattr(hf_config, "model_type", None) != "llama" or getattr(hf_config, "hidden_act", "silu") != "silu":
         missing.append(f"model type {getattr(hf_config, 'model_type', '?')} (Llama-family only)")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
@@ -89,42 +118,36 @@ def check_supported(config, hf_config, world_size: int) -> None:
                         " — use trainer.backend: fsdp2")
 
 
-def init_parallel(tensor_parallel: int, seed: int) -> None:
-    """megatron's process groups (torch.distributed must be initialised when tensor_parallel > 1)."""
-    from megatron.core import parallel_state, tensor_parallel as tp
-
-    if not dist.is_initialized():  # one rank: megatron still wants a process group
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-    tp.model_parallel_cuda_manual_seed(seed)
-
-
 def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> MegatronPolicy:
-    """Build the GPTModel on this TP rank and fill it from the HF checkpoint (after `init_parallel`)."""
-    from megatron.core import parallel_state
+    """Build this rank's part of the GPTModel (its pipeline stage's layers, their TP shards) and fill
+    it from the HF checkpoint (after `init_parallel`)."""
     from transformers import AutoConfig
 
     from ..model import DTYPES
 
     hf_config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
     shape = convert.Shape.from_hf(hf_config)
-    gpt = _build_gpt(hf_config, DTYPES[model_cfg.dtype], parallel_state.get_tensor_model_parallel_world_size())
-    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    params = dict(gpt.named_parameters())
+    rank, size = tp_rank_size()
+    stage, stages = pp_rank_size()
+    gpt = _build_gpt(hf_config, DTYPES[model_cfg.dtype], size, stages,
+                     pre_process=stage == 0, post_process=stage == stages - 1)
+    policy = MegatronPolicy(gpt, shape, lora_cfg.alpha / lora_cfg.rank)
+    names = convert.name_map(shape)
+    if shape.tied and stages > 1:  # untied (see the module docstring): the output layer is the embedding
+        names["output_layer.weight"] = names["embedding.word_embeddings.weight"]
     with _SafetensorsReader(model_cfg.path) as read, torch.no_grad():
-        for name, hf_names in convert.name_map(shape).items():
-            full = convert.to_megatron(name, [read(n) for n in hf_names], shape)
-            params[name].copy_(convert.shard(name, full, rank, size))
+        for local, param in gpt.named_parameters():
+            name = policy.global_name(local)
+            full = convert.to_megatron(name, [read(n) for n in names[name]], shape)
+            param.copy_(convert.shard(name, full, rank, size))
     for p in gpt.parameters():
         p.requires_grad_(False)
-    scale = lora_cfg.alpha / lora_cfg.rank
-    policy = MegatronPolicy(gpt, shape, scale)
     _add_lora(policy, lora_cfg, size)
     return policy
 
 
-def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int) -> nn.Module:
+def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: int, *, pre_process: bool,
+               post_process: bool) -> nn.Module:
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -136,16 +159,20 @@ def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int) -> nn.Module:
         num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,
         kv_channels=shape.head_dim, normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel, params_dtype=dtype,
+        attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
         perform_initialization=False,  # every weight is overwritten from the checkpoint
+        variable_seq_lengths=True,  # micro batches are as long as their own samples: stages swap shapes
+        moe_token_dispatcher_type="alltoall",  # dense models use none; megatron refuses its default here
     )
     rope = getattr(hf, "rope_parameters", None) or {}
     return GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
-        share_embeddings_and_output_weights=shape.tied, parallel_output=False,
+        share_embeddings_and_output_weights=shape.tied and pipeline_parallel == 1, parallel_output=False,
+        pre_process=pre_process, post_process=post_process,
     )
 
 
@@ -208,41 +235,24 @@ class _SafetensorsReader:
         self.handles = self.where = None
 
 
-def _shards(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every TP rank's `tensor`, in TP rank order (collective over the TP group)."""
-    from megatron.core import parallel_state
-
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    if size == 1:
-        return [tensor.detach()]
-    shards = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(shards, tensor.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return shards
-
-
-def gather(tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """The full tensor from every TP rank's shard along `dim` (None: replicated, nothing to gather)."""
-    return tensor.detach() if dim is None else torch.cat(_shards(tensor), dim=dim)
-
-
-def tp_rank_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-
-
 def adapter_names(layer: int, projection: str) -> tuple[str, str]:
     stem = f"{PEFT_PREFIX}model.layers.{layer}.{projection}"
     return f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"
 
 
-def export_adapter(policy: MegatronPolicy) -> Iterator[tuple[str, torch.Tensor]]:
-    """(PEFT name, full tensor) of every LoRA weight, as the FSDP2 backend's `export_adapter`."""
-    for layer, _, module in policy.lora_layers():
-        for key in module.lora_A:
-            name_a, name_b = adapter_names(layer, projection_of(key))
-            yield name_a, gather(module.lora_A[key], split_dim(module.style, "A"))
-            yield name_b, gather(module.lora_B[key], split_dim(module.style, "B"))
+def export_adapter(policy: MegatronPolicy) -> TensorStream:
+    """(PEFT name, full tensor) of every LoRA weight, as the FSDP2 backend's `export_adapter`, on
+    rank 0 (collective; see `export_weights`)."""
+
+    def stage_adapters(meta: bool):
+        for layer, _, module in policy.lora_layers():
+            for key in module.lora_A:
+                for name, param, matrix in zip(adapter_names(layer, projection_of(key)),
+                                               (module.lora_A[key], module.lora_B[key]), "AB"):
+                    dim = split_dim(module.style, matrix)
+                    yield name, _full_on_meta(param, dim) if meta else gather(param, dim)
+
+    return _stream(policy, stage_adapters)
 
 
 def projection_of(key: str) -> str:
@@ -264,21 +274,50 @@ def load_adapter(policy: MegatronPolicy, tensors: dict[str, torch.Tensor]) -> No
                     target.copy_(full if dim is None else full.chunk(size, dim=dim)[rank])
 
 
-def export_weights(policy: MegatronPolicy, lora_scale: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_weights(policy: MegatronPolicy, lora_scale: float | None = None) -> TensorStream:
     """(HF name, full tensor) of every weight with the LoRA deltas merged, one Megatron weight at a
-    time: gathered over TP, merged, split into its HF tensors, yielded, dropped."""
+    time: gathered over TP, merged, split into its HF tensors, yielded on rank 0 (sent there from a
+    later pipeline stage), dropped; so no rank holds the whole model, and the weight sender, which
+    knows every tensor's name, dtype and shape up front (the stream's specs), need not either.
+
+    Collective over the trainer ranks (`parallel.to_first_stage`): rank 0 gets every tensor, the
+    others their stage's, to discard. Replicated tensors may be views of live parameters: copy what
+    is kept past the next optimizer step."""
     shape, scale = policy.shape, policy.lora_scale if lora_scale is None else lora_scale
     adapters = {f"decoder.layers.{i}.{path}": m for i, path, m in policy.lora_layers()}
-    names = convert.name_map(shape)
-    for name, param in policy.gpt.named_parameters():
-        name = name.replace(".base.weight", ".weight")
-        if name not in names:
-            continue  # the LoRA matrices themselves
-        full = convert.unshard(name, _shards(param) if convert.split_dim(name) is not None else [param.detach()])
-        hf_tensors = convert.to_hf(name, full, shape)
-        module = adapters.get(name.removesuffix(".weight"))
-        for hf_name, tensor in zip(names[name], hf_tensors):
-            yield hf_name, tensor if module is None else _merged(module, hf_name, tensor, scale)
+    names = convert.name_map(shape)  # without the output layer of a tied model: HF loads none
+
+    def stage_weights(meta: bool):
+        for local, param in policy.gpt.named_parameters():
+            name = policy.global_name(local.replace(".base.weight", ".weight"))
+            if name not in names:
+                continue  # the LoRA matrices themselves, or the untied copy of a tied embedding
+            dim = convert.split_dim(name)
+            if meta:
+                full = _full_on_meta(param, dim)
+            else:
+                full = convert.unshard(name, shards(param) if dim is not None else [param.detach()])
+            module = None if meta else adapters.get(name.removesuffix(".weight"))
+            for hf_name, tensor in zip(names[name], convert.to_hf(name, full, shape)):
+                yield hf_name, tensor if module is None else _merged(module, hf_name, tensor, scale)
+
+    return _stream(policy, stage_weights)
+
+
+def _stream(policy: MegatronPolicy, stage_items) -> TensorStream:
+    """Every stage's `stage_items(meta=False)` on rank 0, announced by their specs (which
+    `stage_items(meta=True)` gives from meta tensors, without gathering anything)."""
+    specs = every_stage([(name, t.dtype, tuple(t.shape)) for name, t in stage_items(meta=True)])
+    device = next(policy.gpt.parameters()).device
+    return TensorStream(specs, to_first_stage(lambda: stage_items(meta=False), device))
+
+
+def _full_on_meta(param: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """A meta tensor shaped like the full tensor of a TP shard split along `dim`."""
+    full = list(param.shape)
+    if dim is not None:
+        full[dim] *= tp_rank_size()[1]
+    return torch.empty(full, dtype=param.dtype, device="meta")
 
 
 def _merged(module: LoraParallelLinear, hf_name: str, tensor: torch.Tensor, scale: float) -> torch.Tensor:
