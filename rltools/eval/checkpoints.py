@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config.schema import LoraConfig
 from ..errors import UserError
 from ..paths import RunPaths
+from ..shards import ShardWriter
 
 EXPORT_MARKER = "policy.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -43,25 +44,49 @@ def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
     }
 
 
-def save_policy(target: Path, tensors: list, kind: str, base_model: str, lora: LoraConfig, step: int) -> None:
-    """Write an export of `tensors` ((name, tensor) pairs as broadcast to the generators) to `target`."""
-    from safetensors.torch import save_file
+class PolicyWriter:
+    """One policy export written as its tensors arrive (`add`), finished by `close`: a full model
+    goes out in safetensors shards of `shard_bytes` as they fill, so the trainer never holds the
+    whole model for it; adapters (small) are written at `close`."""
 
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors}
-    if kind == "lora":
-        save_file(state, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps(peft_adapter_config(lora, base_model)))
-    else:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for source in Path(base_model).iterdir():  # config, generation config, tokenizer files
-            if source.is_file() and not source.name.endswith(_WEIGHT_SUFFIXES) and not source.name.endswith(".index.json"):
-                shutil.copy2(source, tmp / source.name)
-    (tmp / EXPORT_MARKER).write_text(json.dumps({"step": step, "kind": kind, "base_model": base_model}))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    def __init__(self, target: Path, kind: str, base_model: str, lora: LoraConfig, step: int,
+                 shard_bytes: int = 4 << 30):
+        self.target, self.kind, self.base_model, self.lora, self.step = Path(target), kind, base_model, lora, step
+        self.tmp = self.target.with_name(self.target.name + ".tmp")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.adapter: dict = {}
+        self.shards = ShardWriter(self.tmp, shard_bytes) if kind == "full" else None
+
+    def add(self, name: str, tensor) -> None:
+        if self.shards is not None:
+            self.shards.add(name, tensor)
+        else:
+            self.adapter[name] = tensor.detach().contiguous().cpu()
+
+    def close(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.shards is None:
+            save_file(self.adapter, str(self.tmp / "adapter_model.safetensors"))
+            (self.tmp / "adapter_config.json").write_text(json.dumps(peft_adapter_config(self.lora, self.base_model)))
+        else:
+            self.shards.close()
+            for source in Path(self.base_model).iterdir():  # config, generation config, tokenizer files
+                if source.is_file() and not source.name.endswith(_WEIGHT_SUFFIXES) and not source.name.endswith(".index.json"):
+                    shutil.copy2(source, self.tmp / source.name)
+        (self.tmp / EXPORT_MARKER).write_text(json.dumps({"step": self.step, "kind": self.kind,
+                                                          "base_model": self.base_model}))
+        shutil.rmtree(self.target, ignore_errors=True)
+        self.tmp.rename(self.target)
+
+
+def save_policy(target: Path, tensors, kind: str, base_model: str, lora: LoraConfig, step: int) -> None:
+    """Write an export of `tensors` ((name, tensor) pairs as broadcast to the generators) to `target`."""
+    writer = PolicyWriter(target, kind, base_model, lora, step)
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+    writer.close()
 
 
 def available(paths: RunPaths) -> dict[int, Path]:

@@ -18,11 +18,10 @@ from typing import Iterator
 
 import torch
 
+from ..shards import INDEX as _INDEX
+from ..shards import ShardWriter
 from .layout import QUANT_SUFFIXES, QuantPlan, is_nvfp4_config, plan, quantization_config
 from .nvfp4 import dequantize, global_scale_for, packed_bytes, quantize
-
-_INDEX = "model.safetensors.index.json"
-
 
 class Source:
     """The tensors of a safetensors checkpoint directory, opened lazily (memory-mapped)."""
@@ -176,37 +175,10 @@ def _summary(source: Source, shapes: dict, plan_: QuantPlan) -> Summary:
 
 
 def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, shard_bytes: int, mode_of: Path) -> None:
-    """Fill shards up to `shard_bytes`, write each as soon as it is full, then name them
-    model-0000i-of-0000n and write the index (n is known only at the end). Shards get the file mode
-    of `mode_of` (safetensors writes 0600: a shared model directory must stay readable)."""
-    from safetensors.torch import save_file
-
-    written: list[tuple[Path, list[str]]] = []
-    batch: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush():
-        nonlocal batch, size
-        if batch:
-            path = dst / f".shard-{len(written)}.tmp"
-            save_file(batch, str(path), metadata={"format": "pt"})
-            written.append((path, list(batch)))
-        batch, size = {}, 0
-
+    writer = ShardWriter(dst, shard_bytes, mode_of)
     for name, tensor in tensors:
-        batch[name] = tensor.contiguous()
-        size += tensor.numel() * tensor.element_size()
-        if size >= shard_bytes:
-            flush()
-    flush()
-    weight_map = {}
-    for i, (path, names) in enumerate(written):
-        final = "model.safetensors" if len(written) == 1 else f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-        path.rename(dst / final)
-        shutil.copymode(mode_of, dst / final)
-        weight_map.update(dict.fromkeys(names, final))
-    if len(written) > 1:
-        (dst / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
+        writer.add(name, tensor)
+    writer.close()
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:

@@ -9,13 +9,14 @@ import logging
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .. import checkpoint
 from ..config import load_config
-from ..eval.checkpoints import prune_full_exports, save_policy
+from ..eval.checkpoints import PolicyWriter, prune_full_exports
 from ..launch.address import publish_address, wait_for_address
 from ..launch.role_env import RoleEnv
 from ..metrics import append_metrics, resume_metrics
@@ -23,7 +24,7 @@ from ..paths import RunPaths
 from ..preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..roles import eval_due, sync_backend, sync_world_size
 from ..rollout import RolloutBatch, RolloutStore
-from ..weight_sync import WeightSyncError
+from ..weight_sync import TensorStream, WeightSyncError
 from .backend import Backend, build_backend
 
 log = logging.getLogger("rltools.trainer")
@@ -48,27 +49,30 @@ def run_trainer(run_dir: str) -> int:
     lora_scale = config.lora.alpha / config.lora.rank if config.lora.enabled else None
     kind = config.generator.weight_sync
 
-    def send(version: int, keep: bool = False) -> list | None:
+    def send(version: int, export_to: Path | None = None) -> None:
         """Broadcast `version`'s weights (collective: every trainer rank takes part in the export);
-        with `keep`, also return them (a list) for rank 0 to save."""
+        with `export_to`, rank 0 also writes them there as a policy export while they pass."""
         weights = backend.export_adapter(model) if kind == "lora" else backend.export_weights(model, lora_scale)
-        if keep:
-            weights = list(weights)
+        writer = None
+        if export_to is not None and env.rank == 0:
+            writer = PolicyWriter(export_to, kind, config.model.path, config.lora, version)
+            weights = _tee(weights, writer.add)
         if sender is None:
             for _ in weights:
                 pass
-            return weights if keep else None
-        try:
-            sender.broadcast(weights, version=version, kind=kind)
-        except WeightSyncError:
-            if not stop.requested:
-                raise
-            # SIGTERM reached the generators too and they left mid-broadcast; the checkpoint about to
-            # be written holds this version, and they receive it from there when the run resumes.
-            log.warning("generators left during the broadcast of version %d: stopping", version)
-            for _ in weights:  # finish the export: under FSDP2 it is a collective of the trainers
-                pass
-        return weights if keep else None
+        else:
+            try:
+                sender.broadcast(weights, version=version, kind=kind)
+            except WeightSyncError:
+                if not stop.requested:
+                    raise
+                # SIGTERM reached the generators too and they left mid-broadcast; the checkpoint about
+                # to be written holds this version, and they receive it from there when the run resumes.
+                log.warning("generators left during the broadcast of version %d: stopping", version)
+                for _ in weights:  # finish the export: under FSDP2 it is a collective of the trainers
+                    pass
+        if writer is not None:
+            writer.close()
 
     if start:
         send(start)  # generators take the checkpoint's weights before generating anything
@@ -88,11 +92,10 @@ def run_trainer(run_dir: str) -> int:
             metrics = trainer.step(batch)
             trained = time.perf_counter() - begin - waited
             export = eval_due(config, step + 1)  # the evaluated policies stay loadable by `rltools eval`
-            weights = send(step + 1, keep=export)
-            synced = time.perf_counter() - begin - waited - trained
+            send(step + 1, export_to=paths.policy_dir(step + 1) if export else None)
+            synced = time.perf_counter() - begin - waited - trained  # at eval steps: with the export written
             done = step + 1
             if export and env.rank == 0:
-                save_policy(paths.policy_dir(done), weights, kind, config.model.path, config.lora, done)
                 prune_full_exports(paths, config.eval.keep_full_exports)
             if env.rank == 0:
                 tokens = int(batch.completion_offsets[-1])
@@ -225,3 +228,14 @@ def _pad_id(model_path: str) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def _tee(weights, add):
+    """`weights` (a TensorStream keeps its specs) with `add(name, tensor)` called on each as it passes."""
+
+    def passing():
+        for name, tensor in weights:
+            add(name, tensor)
+            yield name, tensor
+
+    return TensorStream(weights.specs, passing()) if isinstance(weights, TensorStream) else passing()

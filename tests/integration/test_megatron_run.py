@@ -55,3 +55,12 @@ def test_megatron_trains_like_fsdp2(parallel, repo, fsdp_run, tmp_path):
     assert mean(ours, "loss") == pytest.approx(mean(theirs, "loss"), abs=0.02)
     assert (tmp_path / "megatron" / "eval" / f"step_{STEPS}.json").exists()
     assert (tmp_path / "megatron" / "checkpoints" / f"step_{STEPS}").is_dir()
+    # the policy export rank 0 wrote while broadcasting (at PP=2, weights from both stages)
+    export = tmp_path / "megatron" / "weights" / f"step_{STEPS}"
+    if "generator.weight_sync=full" in parallel:
+        from safetensors.torch import load_file
+
+        base = load_file(repo / "rltools" / "assets" / "tiny-arith" / "model.safetensors")
+        assert load_file(export / "model.safetensors").keys() == base.keys()
+    else:
+        assert (export / "adapter_model.safetensors").is_file()

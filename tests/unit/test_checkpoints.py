@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from rltools.config.schema import LoraConfig, RLConfig
 from rltools.errors import UserError
-from rltools.eval.checkpoints import EXPORT_MARKER, resolve_checkpoint, save_policy
+from rltools.eval.checkpoints import EXPORT_MARKER, PolicyWriter, resolve_checkpoint, save_policy
 from rltools.paths import RunPaths
 from rltools.roles import eval_due
 
@@ -28,6 +28,24 @@ def base(tmp_path):
     (base / "tokenizer.json").write_text("{}")
     (base / "model.safetensors").write_text("base weights: never copied")
     return base
+
+
+def test_a_full_export_larger_than_a_shard_is_written_shard_by_shard(tmp_path, base):
+    """The trainer adds tensors as they are broadcast; each shard is written once it fills, so the
+    writer holds one shard's tensors, and the result is a sharded HF checkpoint with its index."""
+    target = tmp_path / "run" / "weights" / "step_3"
+    writer = PolicyWriter(target, "full", str(base), LoraConfig(), 3, shard_bytes=100)
+    tensors = {f"model.layers.{i}.mlp.down_proj.weight": torch.full((4, 4), float(i)) for i in range(5)}  # 64 B each
+    for i, (name, tensor) in enumerate(tensors.items()):
+        writer.add(name, tensor)
+        assert len(writer.shards.batch) <= 1, "a full shard is written at once"
+    assert not target.exists(), "nothing a reader takes for a policy before close"
+    writer.close()
+    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(index.values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    for name, tensor in tensors.items():
+        assert torch.equal(load_file(target / index[name])[name], tensor)
+    assert (target / EXPORT_MARKER).is_file() and not target.with_name("step_3.tmp").exists()
 
 
 def test_full_export_is_a_complete_model_directory(tmp_path, base):
