@@ -252,9 +252,13 @@ class WeightSender:
         ops.wait(ops.broadcast(header, f"header of version {version} (waiting for every generator worker to receive)", timeout_s))
         ops.wait(ops.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device),
                                f"metadata of version {version}"))
-        self._send_pieces(take, plan, version)
-        if isinstance(named_tensors, TensorStream):
-            take(len(specs))  # the stream must end here (and a collective producer finishes)
+        try:
+            self._send_pieces(take, plan, version)
+            if isinstance(named_tensors, TensorStream):
+                take(len(specs))  # the stream must end here (and a collective producer finishes)
+        except ValueError as e:  # the stream broke its specs mid-message: receivers wait for pieces
+            self._ops.broken = WeightSyncError(f"{self.group.describe()}: version {version} stopped mid-message: {e}")
+            raise self._ops.broken from e
         rows = ops.acknowledge(OK, None, f"acknowledgement of version {version} by the generator workers")
         self._raise_for_refusals(rows, version)
         self.last_version = version

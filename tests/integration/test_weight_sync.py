@@ -77,6 +77,7 @@ def test_full_and_lora_updates_arrive_bitwise_equal_in_version_order(tmp_path):
     assert [m["version"] for m in sent["sent"]] == [1, 2, 3, 4]
     assert sent["sent"][0]["pieces"] > 3, "full weights travel in several pieces (alone + buckets)"
     # version 4 was a TensorStream of 45 tensors: the sender held a bucket's worth of them at most
+    # (a 64 KiB bucket of these tensors holds at most 10); a list would have held all 45
     assert 1 <= sent["most_alive"] <= 10, sent["most_alive"]
     for joiner in joiners:
         got = joiner.result(20)
@@ -237,6 +238,16 @@ def test_a_stream_that_breaks_its_specs_is_named(produced, message):
         take(1), take(0), take(2)
 
 
+def test_the_alive_count_sees_tensors_a_consumer_holds():
+    """The instrument behind `most_alive` above: a consumer that keeps every tensor (what the sender
+    did before streams) makes it count them all."""
+    from tests.integration.sync_peer import _produced, model
+
+    out: dict = {}
+    kept = list(_produced(model(4, "cpu"), out))
+    assert out["most_alive"] == sum(1 for _, t in kept if t.numel()) == 43  # 45, less 2 empty tensors
+
+
 def test_plan_packs_small_tensors_aligned_into_bounded_buckets():
     specs = [(f"t{i}", torch.float16, (n,), 2 * n) for i, n in enumerate([3, 1000, 7, 5000, 0, 11, 900, 4])]
     plan = plan_pieces(specs, bucket_bytes=4096, alone_bytes=8000)
@@ -274,3 +285,22 @@ def test_weights_bench_moves_the_same_bytes_both_ways_and_reports_a_ratio():
     assert result["receivers"] == 2 and result["n_tensors"] >= 16 and 12 < result["total_mb"] < 18
     assert result["ours_gb_s"] > 0 and result["reference_gb_s"] > 0
     assert result["ratio"] == pytest.approx(result["ours_gb_s"] / result["reference_gb_s"], rel=0.01)
+
+
+def test_a_stream_that_breaks_mid_message_leaves_the_group_unusable(tmp_path):
+    """Receivers of a half-sent message still wait for its pieces: the next broadcast must not start
+    a new header on top of it, so the sender fails at once, naming the first error."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rltools.weight_sync import SyncGroup, TensorStream, WeightSender, WeightSyncError
+
+    store = dist.HashStore()  # a one-member gloo group: the sender's collectives complete locally
+    pg = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5))
+    sender = WeightSender(SyncGroup(pg, 0, 1, "gloo", torch.device("cpu"), timedelta(seconds=5), store))
+    short = TensorStream([("a", torch.float32, (2,)), ("b", torch.float32, (2,))], iter([("a", torch.zeros(2))]))
+    with pytest.raises(WeightSyncError, match="version 1 stopped mid-message.*ended after 1 of the 2 tensors"):
+        sender.broadcast(short, 1)
+    with pytest.raises(WeightSyncError, match="unusable after an earlier failure.*stopped mid-message"):
+        sender.broadcast({"a": torch.zeros(2)}, 2)

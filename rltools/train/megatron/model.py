@@ -26,9 +26,9 @@ from torch import nn
 
 from ...config.schema import LoraConfig, ModelConfig
 from ...errors import UserError
+from ...weight_sync import TensorStream
 from . import convert
 from .lora import FUSED, LoraParallelLinear, split_dim
-from ...weight_sync.channel import TensorStream
 from .parallel import every_stage, gather, pp_rank_size, shards, to_first_stage, tp_rank_size
 
 PEFT_PREFIX = "base_model.model."
