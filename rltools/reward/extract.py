@@ -7,6 +7,10 @@ Invariants:
 - An answer counts only if its text is an integer after removing presentation: `$`, `\\text{..}`
   (and \\textbf, \\mathrm, \\mathbf), surrounding spaces, a trailing period, leading zeros
   ("025" -> 25). "12.5", "1/2", "1 2", "x=3", "10^{100}" are not integers and score 0.
+- An `Answer:` line may also wrap its whole value in a few layers of markdown (`**`, backticks),
+  math delimiters (`$..$`, `\\(..\\)`, `\\[..\\]`) and `\\boxed{..}`, as peer RL frameworks accept;
+  layers are peeled only from the ends, so what is left must still be a whole integer
+  (`Answer: \\boxed{60} or 61` and `Answer: **4**5` score 0).
 """
 
 import re
@@ -18,6 +22,9 @@ _WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
 _BRACE = re.compile(r"[{}]")
 _INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would accept "８１" too
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
+_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_MARKDOWN = "*`"  # bold or code around the label or the value: **Answer:** 45, **Answer: 45**, Answer: `45`
+_MAX_LAYERS = 8  # `**Answer:** $\boxed{45}$.` has three; the bound keeps a hostile line linear
 
 
 def last_boxed(text: str) -> str | None:
@@ -52,11 +59,34 @@ def _matching_braces(text: str) -> dict[int, int]:
 
 
 def answer_line(text: str) -> str | None:
-    """What follows the last `Answer:` (DAPO style, case-insensitive) up to the end of its line."""
+    """What follows the last `Answer:` (DAPO style, case-insensitive) up to the end of its line,
+    with the markup wrapped around all of it removed (see _unwrap)."""
     if not isinstance(text, str):
         return None
     matches = _ANSWER_LINE.findall(text[-TAIL_CHARS:])
-    return matches[-1] if matches else None
+    return _unwrap(matches[-1]) if matches else None
+
+
+def _unwrap(value: str) -> str:
+    """`value` without the layers wrapped around all of it: spaces and a trailing period, markdown
+    `*` and backticks, a pair of math delimiters, a balanced \\boxed{..} spanning all of it; at
+    most _MAX_LAYERS rounds.
+
+    Only the ends are touched, so "\\boxed{6}0" and "**4**5" keep their inner markup and are not integers.
+    """
+    for _ in range(_MAX_LAYERS):
+        peeled = value.strip().removesuffix(".").strip().strip(_MARKDOWN).strip()
+        for left, right in _DELIMITERS:
+            if len(peeled) >= len(left) + len(right) and peeled.startswith(left) and peeled.endswith(right):
+                peeled = peeled[len(left):-len(right)]
+                break
+        box = _BOXED.match(peeled)
+        if box and _matching_braces(peeled).get(box.end() - 1) == len(peeled) - 1:  # the box spans it all
+            peeled = peeled[box.end():-1]
+        if peeled == value:
+            return value
+        value = peeled
+    return value
 
 
 def parse_integer(candidate: str | None) -> int | None:

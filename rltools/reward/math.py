@@ -1,25 +1,17 @@
 """math-verify as a reward (optional extra `rltools[math]`): symbolic equivalence for non-integer answers.
 
 Runs only inside TimeoutPool workers (rltools/reward/pool.py): math-verify's own timeouts use
-SIGALRM, which needs a process's main thread, and some inputs hang it without them.
+SIGALRM, which needs a process's main thread, and some inputs hang it without them. math-verify is
+imported here, at module level, so that a worker imports it while starting (about 0.5 s, more on a
+loaded machine), and the pool's warm-up call (verifiers.MATH_VERIFY_WARMUP) builds its parser:
+neither counts against the first call's reward.timeout_s.
 """
 
-from ..errors import UserError
-
-
-def require_math_verify() -> None:
-    try:
-        import math_verify  # noqa: F401
-    except ImportError:
-        raise UserError(
-            "reward.type math_verify needs the math-verify package: pip install 'rltools[math]'"
-        ) from None
+from math_verify import parse, verify
 
 
 def math_verify_score(completion: str, answer) -> float:
     """1.0 iff math-verify finds the completion's final answer equivalent to `answer`."""
-    from math_verify import parse, verify
-
     text = str(answer)
     gold = parse(text if "\\boxed" in text or "$" in text else f"${text}$")
     predicted = parse(completion)

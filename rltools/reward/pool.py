@@ -11,6 +11,9 @@ Invariants:
   non-number (each of these is the fallback, and logged).
 - Workers are fresh interpreters (rltools/reward/worker.py), not forks: they never inherit the
   generator's threads or vLLM state, nor re-run the caller's __main__ (multiprocessing's "spawn" would).
+- A worker gets real calls only once it is ready: it has imported the function's module and, when
+  the pool has a `warmup`, answered that call with the expected value, all within START_TIMEOUT_S
+  (replacements too). Lazy imports and first-call set-up thus never count against timeout_s.
 - The pool owns its workers: `close` (also at exit) kills any that are left.
 """
 
@@ -20,27 +23,55 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 log = logging.getLogger("rltools.reward")
 
-START_TIMEOUT_S = 60.0  # a fresh worker imports the function's module before its first call
+START_TIMEOUT_S = 60.0  # a fresh worker imports the function's module and runs the warm-up
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """A call every worker makes before its first real one: function(*args) must return `expected`.
+
+    It proves the function works (a broken checker would otherwise score 0 forever) and pays for
+    what the function does lazily on its first call (math-verify imports and builds its parser).
+    """
+
+    args: tuple
+    expected: float
+
+
+Worker = tuple[subprocess.Popen, Connection, Connection]
 
 
 class TimeoutPool:
-    def __init__(self, reference: str, timeout_s: float, workers: int, fallback: float = 0.0):
-        self.reference, self.timeout_s, self.fallback = reference, timeout_s, fallback
-        self._workers: list[tuple[subprocess.Popen, Connection, Connection]] = []
+    """Workers that call `reference` ('module:function') with a deadline of timeout_s per call.
+
+    Before a worker takes a call it has imported the function's module and, if `warmup` is given,
+    made that call; without a warm-up anything the function does on its first call (a lazy import,
+    a cache) counts against that call's deadline. ValueError if the function cannot be loaded or
+    fails its warm-up; RuntimeError if a worker is not ready within START_TIMEOUT_S.
+    """
+
+    def __init__(self, reference: str, timeout_s: float, workers: int, fallback: float = 0.0,
+                 warmup: Warmup | None = None):
+        self.reference, self.timeout_s, self.fallback, self.warmup = reference, timeout_s, fallback, warmup
+        self._workers: list[Worker] = []
         atexit.register(self.close)
         try:
-            for _ in range(workers):
-                self._workers.append(self._start())
+            deadline = time.monotonic() + START_TIMEOUT_S
+            for _ in range(workers):  # all start at once: their imports and warm-ups overlap
+                self._workers.append(self._spawn())
+            for worker in self._workers:
+                self._await_ready(worker, deadline)
         except BaseException:
             self.close()
             raise
         self.timeouts = 0
 
-    def _start(self) -> tuple[subprocess.Popen, Connection, Connection]:
+    def _spawn(self) -> Worker:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
@@ -50,20 +81,40 @@ class TimeoutPool:
         )
         os.close(to_child_r)
         os.close(from_child_w)
-        requests, replies = Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
-        try:
-            if not replies.poll(START_TIMEOUT_S):
-                raise RuntimeError(f"reward worker for {self.reference!r} did not start within {START_TIMEOUT_S:.0f} s")
-            status, detail = replies.recv()
-        except EOFError:
-            status, detail = "error", f"the worker exited with code {process.wait()}"
-        except BaseException:
-            _stop(process, requests, replies)
-            raise
+        return process, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+
+    def _await_ready(self, worker: Worker, deadline: float) -> None:
+        """Return once `worker` has loaded the function and passed the warm-up, else raise naming it."""
+        status, detail = self._reply(worker, deadline)
         if status != "ready":
-            _stop(process, requests, replies)
             raise ValueError(f"reward function {self.reference!r} cannot be loaded: {detail}")
-        return process, requests, replies
+        if self.warmup is None:
+            return
+        _, requests, _ = worker
+        try:
+            requests.send(self.warmup.args)
+        except OSError:  # it died after reporting ready: _reply says with which exit code
+            pass
+        status, value = self._reply(worker, deadline)
+        if status != "ok" or value != self.warmup.expected:  # != also catches NaN
+            outcome = {"ok": f"it returned {value!r}, expected {self.warmup.expected!r}", "raised": f"it raised {value}"}
+            raise ValueError(
+                f"reward function {self.reference!r} failed its warm-up call {self.warmup.args!r}: "
+                f"{outcome.get(status, value)}"
+            )
+
+    def _reply(self, worker: Worker, deadline: float) -> tuple[str, object]:
+        """The worker's next message during start-up; ("error", why) if it exited."""
+        process, _, replies = worker
+        try:
+            if not replies.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(
+                    f"reward worker for {self.reference!r} was not ready within START_TIMEOUT_S "
+                    f"{START_TIMEOUT_S:.0f} s (import{' and warm-up' if self.warmup else ''})"
+                )
+            return replies.recv()
+        except (EOFError, OSError):
+            return "error", f"the worker exited with code {process.wait()}"
 
     def map(self, calls: list[tuple]) -> list[float]:
         """Results of function(*args) for each args in `calls`, in order (fallback on failure)."""
@@ -106,8 +157,10 @@ class TimeoutPool:
         return value
 
     def _replace(self, slot: int) -> None:
+        """A fresh worker in `slot`, ready and warm before map sends it the next call."""
         _stop(*self._workers[slot])
-        self._workers[slot] = self._start()
+        self._workers[slot] = self._spawn()  # owned by the pool from here: close stops it if it fails
+        self._await_ready(self._workers[slot], time.monotonic() + START_TIMEOUT_S)
 
     def close(self) -> None:
         for worker in self._workers:

@@ -1,6 +1,7 @@
 """The reward types of `reward.type` and the factory that picks one (see rltools/reward/__init__.py)."""
 
 import abc
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -8,9 +9,10 @@ from ..config.schema import RewardConfig
 from ..data import arithmetic
 from ..errors import UserError
 from .extract import TAIL_CHARS, answer_line, last_boxed, parse_integer
-from .pool import TimeoutPool, default_workers
+from .pool import TimeoutPool, Warmup, default_workers
 
 MATH_VERIFY = "rltools.reward.math:math_verify_score"
+MATH_VERIFY_WARMUP = Warmup(("\\boxed{1}", 1), 1.0)  # known correct: proves the checker works, builds its parser
 INTEGER_TYPES = ("exact_integer", "boxed_integer", "answer_line")
 
 
@@ -67,15 +69,21 @@ class PooledReward(Reward):
 
 
 def make_reward(config: RewardConfig) -> Reward:
+    """The verifier `config.type` names; UserError if it cannot run here.
+
+    Pooled rewards get workers that are ready before the first call: math_verify's workers import
+    math-verify and score MATH_VERIFY_WARMUP (a start-up failure if it is not 1.0); a custom
+    function's workers import its module but make no call, so what the function itself does
+    lazily on its first call still counts against that call's reward.timeout_s.
+    """
     if config.type in INLINE:
         return InlineReward(INLINE[config.type])
-    reference = MATH_VERIFY if config.type == "math_verify" else config.function
-    if config.type == "math_verify":
-        from .math import require_math_verify
-
-        require_math_verify()
+    # find_spec, not an import: only the workers need math-verify (and sympy) in memory
+    if config.type == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        raise UserError("reward.type math_verify needs the math-verify package: pip install 'rltools[math]'")
+    reference, warmup = (MATH_VERIFY, MATH_VERIFY_WARMUP) if config.type == "math_verify" else (config.function, None)
     try:
-        pool = TimeoutPool(reference, config.timeout_s, config.workers or default_workers())
+        pool = TimeoutPool(reference, config.timeout_s, config.workers or default_workers(), warmup=warmup)
     except ValueError as err:
         raise UserError(f"reward.type {config.type}: {err}") from None
     return PooledReward(pool, tail_only=config.type == "math_verify")

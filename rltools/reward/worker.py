@@ -3,7 +3,7 @@
 Started by TimeoutPool (rltools/reward/pool.py) as a fresh interpreter, so it inherits neither the
 generator's threads and vLLM state nor the caller's __main__ module. Protocol over two pipes of
 pickled messages: it sends ("ready", None) or ("error", why) once, then answers each args tuple with
-("ok", float) or ("raised", why).
+("ok", float) or ("raised", why). The pool's warm-up call, if any, is the first such tuple.
 """
 
 import importlib

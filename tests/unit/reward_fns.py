@@ -1,4 +1,5 @@
-"""Reward functions with bad behaviour, for TimeoutPool tests (imported by its worker processes)."""
+"""Reward functions with bad behaviour (hanging, raising, crashing, slow to start), for TimeoutPool
+tests (imported by its worker processes)."""
 
 import os
 import time
@@ -25,3 +26,20 @@ def length_is_answer(completion, answer):
 
 
 NOT_CALLABLE = 3
+
+
+_calls_in_this_process = 0
+
+
+def slow_first_call(completion, answer):
+    """1.0 iff completion == str(answer), like a checker with a lazy import: the first call in a
+    worker process takes 1.5 s. 'hang' hangs and 'crash' kills the process, to get a worker replaced."""
+    global _calls_in_this_process
+    _calls_in_this_process += 1
+    if _calls_in_this_process == 1:
+        time.sleep(1.5)
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "crash":
+        os._exit(3)
+    return float(completion == str(answer))

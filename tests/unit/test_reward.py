@@ -6,7 +6,7 @@ from rltools.config.schema import RewardConfig
 from rltools.errors import UserError
 from rltools.reward import make_reward
 from rltools.reward.extract import TAIL_CHARS, integer_answer, last_boxed, parse_integer
-from rltools.reward.pool import TimeoutPool
+from rltools.reward.pool import TimeoutPool, Warmup
 from rltools.reward.verifiers import answer_line_integer, boxed_integer
 
 ADVERSARIAL = [
@@ -25,6 +25,7 @@ ADVERSARIAL = [
     "\\boxed{１２３}",  # fullwidth digits are not ASCII digits
     "\x00\\boxed{\x00}",
     "Answer: " + "1" * 5000,
+    "Answer: " + "**$\\boxed{" * 1000 + "7" + "}$**" * 1000,  # more wrapping layers than are peeled
 ]
 
 
@@ -61,6 +62,24 @@ def test_what_is_not_an_integer_scores_zero(text):
 def test_only_the_tail_is_read():
     assert boxed_integer("\\boxed{25}" + " " * TAIL_CHARS, 25) == 0.0
     assert boxed_integer(" " * 10 * TAIL_CHARS + "\\boxed{25}", 25) == 1.0
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("Answer: \\boxed{60}", 60), ("Answer: \\(60\\)", 60), ("Answer: \\[60\\]", 60), ("Answer: $\\boxed{-45}$", -45),
+    ("**Answer: 45**", 45), ("**Answer:** 45", 45), ("Answer: **45**", 45), ("Answer: `45`", 45),
+    ("**Answer:** $\\boxed{45}$.", 45), ("Answer: $$ \\boxed{\\text{45}} $$", 45),
+])
+def test_answer_line_sees_through_markdown_delimiters_and_a_box(text, answer):
+    assert answer_line_integer(f"Some thought.\n{text}\n", answer) == 1.0
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("Answer: **4**5", 45), ("Answer: \\boxed{60} or 61", 60), ("Answer: \\boxed{60}\\boxed{61}", 60),
+    ("Answer: \\boxed{6}0", 60), ("**Answer:** 12.5", 12), ("Answer: \\(1/2\\)", 1), ("Answer: $\\boxed{x=3}$", 3),
+    ("Answer: .45", 45),
+])
+def test_answer_line_wrappers_do_not_make_a_non_integer_an_answer(text, answer):
+    assert answer_line_integer(text, answer) == 0.0
 
 
 def test_answer_line_takes_the_last_one():
@@ -111,6 +130,35 @@ def test_pool_returns_results_in_order():
         pool.close()
 
 
+def test_warm_up_keeps_a_slow_first_call_out_of_the_deadline():
+    # the first call of each worker takes 1.5 s (a lazy import), three times reward.timeout_s
+    pool = TimeoutPool("tests.unit.reward_fns:slow_first_call", timeout_s=0.5, workers=2, warmup=Warmup(("1", 1), 1.0))
+    try:
+        assert pool.map([("33", 33), ("7", 7), ("8", 9)]) == [1.0, 1.0, 0.0]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("failure", ["hang", "crash"])
+def test_a_replaced_worker_is_warm_before_its_next_call(failure):
+    pool = TimeoutPool("tests.unit.reward_fns:slow_first_call", timeout_s=0.5, workers=1, warmup=Warmup(("1", 1), 1.0))
+    try:
+        assert pool.map([(failure, 1), ("33", 33), ("34", 34)]) == [0.0, 1.0, 1.0]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("function, warmup, message", [
+    ("length_is_answer", Warmup(("ab", 3), 1.0), r"length_is_answer'.* warm-up .*returned 0.0, expected 1.0"),
+    ("raise_error", Warmup(("a", 1), 1.0), r"raise_error'.* warm-up .*RuntimeError: boom"),
+    ("not_a_number", Warmup(("a", 1), 1.0), r"not_a_number'.* warm-up .*ValueError"),
+    ("crash", Warmup(("a", 1), 1.0), r"crash'.* warm-up .*exited with code 3"),
+])
+def test_a_failing_warm_up_stops_the_pool_naming_the_function(function, warmup, message):
+    with pytest.raises(ValueError, match=message):
+        TimeoutPool(f"tests.unit.reward_fns:{function}", timeout_s=5, workers=2, warmup=warmup)
+
+
 @pytest.mark.parametrize("function, message", [
     ("tests.unit.reward_fns:missing", "has no attribute 'missing'"),
     ("tests.unit.no_such_module:f", "No module named"),
@@ -139,6 +187,17 @@ def test_math_verify_checks_equivalence_and_times_out_on_towers():
         scores = reward.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{}", "x" * 100_000], ["1", "1", "1"])
         assert scores == [0.0, 0.0, 0.0]
         assert time.perf_counter() - start < 3.0 * 2 + 15
+    finally:
+        reward.close()
+
+
+def test_math_verify_scores_the_first_call_of_a_fresh_pool():
+    # importing math-verify and its first parse take ~0.9 s here: without the warm-up they ran
+    # inside this call's deadline and a correct answer scored 0
+    pytest.importorskip("math_verify", reason="math-verify is an optional extra: pip install 'rltools[math]'")
+    reward = make_reward(RewardConfig(type="math_verify", timeout_s=0.5, workers=1))
+    try:
+        assert reward.score(["so the answer is \\boxed{33}"], [33]) == [1.0]
     finally:
         reward.close()
 
