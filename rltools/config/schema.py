@@ -154,7 +154,9 @@ class TrainerConfig(Section):
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward pass on one rank."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    """Recompute each decoder layer's activations in backward instead of keeping them (only its inputs
+    and keys/values stay): far less activation memory on long sequences for about one more forward
+    pass; the same losses and gradients."""
     tensor_parallel: int = Field(1, ge=1)
     """Megatron tensor-parallel degree; it must divide the trainer ranks (the rest is data parallelism)."""
     pipeline_parallel: int = Field(1, ge=1)

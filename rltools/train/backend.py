@@ -34,7 +34,7 @@ def build_backend(config, env: RoleEnv, device: torch.device, pad_id: int) -> Ba
         from .megatron.backend import build
 
         return build(config, env, trainer_args)
-    model = load_policy(config.model, config.lora).to(device)
+    model = load_policy(config.model, config.lora, config.trainer.gradient_checkpointing).to(device)
     if env.world_size > 1:
         shard_model(model)
     trainer = Trainer(model, config.algorithm, rank=env.rank, world_size=env.world_size, **trainer_args)

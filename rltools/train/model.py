@@ -5,8 +5,13 @@ Invariant: whatever wraps the model (peft, FSDP2), `export_weights` yields the t
 model of the same architecture would load — merged base + LoRA delta, HF parameter names. An NVFP4
 base (`model.quantization: nvfp4`) is exported dequantised (`quant.nvfp4.dequantize`) before the
 LoRA delta is added.
+
+With `trainer.gradient_checkpointing`, each decoder layer keeps only its inputs (and the keys and
+values it cached) for backward and recomputes the rest there (`checkpoint_layers`): the same
+numbers as without it.
 """
 
+import functools
 import re
 from typing import Iterator
 
@@ -20,7 +25,7 @@ _PEFT_PREFIX = "base_model.model."
 _LORA_WEIGHT = re.compile(r"(.*)\.lora_([AB])\.[^.]+\.weight")
 
 
-def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> nn.Module:
+def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpointing: bool = False) -> nn.Module:
     nvfp4 = model_cfg.quantization == "nvfp4"
     if nvfp4 and not lora_cfg.enabled:
         raise ValueError("model.quantization: nvfp4 freezes the base model; set lora.enabled: true to train adapters")
@@ -33,8 +38,14 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> nn.Module:
 
         model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=DTYPES[model_cfg.dtype], local_files_only=True)
     model.config.use_cache = False
-    if not lora_cfg.enabled:
-        return model
+    if lora_cfg.enabled:
+        model = _with_lora(model, lora_cfg, nvfp4)
+    if gradient_checkpointing:
+        checkpoint_layers(model)
+    return model
+
+
+def _with_lora(model: nn.Module, lora_cfg: LoraConfig, nvfp4: bool) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -52,14 +63,64 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> nn.Module:
     return get_peft_model(model, peft_config)
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the modules HF names as never to be split across devices."""
+    layer_types = set(getattr(_hf_model(model), "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in layer_types]
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Activation checkpointing: each decoder layer saves only its inputs for backward, and runs its
+    forward again there (torch's non-reentrant checkpoint, so a frozen base whose layer inputs need
+    no gradient still gets the LoRA gradients; dropout replays with the same random numbers).
+
+    Not HF's `gradient_checkpointing_enable`: in training mode it drops the layers' KV cache, which
+    the trainer's shared-prompt forward (`logprobs.completion_logprobs`) is built on. Here the cache
+    is written once; the recompute gets back the keys and values that write returned (`_ReplayCache`).
+    The layer's own `forward` is wrapped, inside its module hooks: FSDP2 (`shard_model`) gathers the
+    layer's weights for the recompute in its pre-backward hook, as it does for torch's checkpoint_wrapper.
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(_hf_model(model)).__name__}: no decoder layers found (_no_split_modules) to "
+                         "checkpoint; set trainer.gradient_checkpointing: false")
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
+
+
+def _checkpointed_forward(forward, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.is_grad_enabled():  # reference and evaluation passes: nothing is saved anyway
+        return forward(*args, **kwargs)
+    if kwargs.get("past_key_values") is not None:
+        kwargs["past_key_values"] = _ReplayCache(kwargs["past_key_values"])
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+class _ReplayCache:
+    """The KV cache as one checkpointed layer call sees it: the first `update` appends the layer's
+    keys and values to the real cache; the recompute in backward gets the same tensors back instead
+    of appending them a second time. Everything else is the real cache's."""
+
+    def __init__(self, cache):
+        self._cache, self._result = cache, None
+
+    def update(self, *args, **kwargs):
+        if self._result is None:
+            self._result = self._cache.update(*args, **kwargs)
+        return self._result
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
 def shard_model(model: nn.Module, mesh=None) -> None:
     """FSDP2: shard each decoder layer, then the root (embeddings, norm, head)."""
     from torch.distributed.fsdp import fully_shard
 
-    layer_types = set(getattr(_hf_model(model), "_no_split_modules", None) or ())
-    for module in model.modules():
-        if type(module).__name__ in layer_types:
-            fully_shard(module, mesh=mesh)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 

@@ -21,7 +21,7 @@ def build(config, env, trainer_args: dict) -> Backend:
     init_parallel(t.tensor_parallel, t.pipeline_parallel, config.run.seed)
     from megatron.core import parallel_state
 
-    policy = load_megatron_policy(config.model, config.lora).to(trainer_args["device"])
+    policy = load_megatron_policy(config.model, config.lora, t.gradient_checkpointing).to(trainer_args["device"])
     # the TP and PP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
     trainer = MegatronTrainer(policy, config.algorithm, rank=parallel_state.get_data_parallel_rank(),
                               world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)

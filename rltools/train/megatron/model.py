@@ -118,9 +118,10 @@ def check_supported(config, hf_config, world_size: int) -> None:
                         " — use trainer.backend: fsdp2")
 
 
-def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> MegatronPolicy:
+def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, recompute: bool = False) -> MegatronPolicy:
     """Build this rank's part of the GPTModel (its pipeline stage's layers, their TP shards) and fill
-    it from the HF checkpoint (after `init_parallel`)."""
+    it from the HF checkpoint (after `init_parallel`). `recompute` (trainer.gradient_checkpointing):
+    each layer keeps only its input for backward and recomputes the rest there."""
     from transformers import AutoConfig
 
     from ..model import DTYPES
@@ -130,7 +131,7 @@ def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> Megatr
     rank, size = tp_rank_size()
     stage, stages = pp_rank_size()
     gpt = _build_gpt(hf_config, DTYPES[model_cfg.dtype], size, stages,
-                     pre_process=stage == 0, post_process=stage == stages - 1)
+                     pre_process=stage == 0, post_process=stage == stages - 1, recompute=recompute)
     policy = MegatronPolicy(gpt, shape, lora_cfg.alpha / lora_cfg.rank)
     names = convert.name_map(shape)
     if shape.tied and stages > 1:  # untied (see the module docstring): the output layer is the embedding
@@ -146,8 +147,13 @@ def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig) -> Megatr
     return policy
 
 
+# Every layer keeps only its input for backward and runs its forward again there (megatron's
+# `tensor_parallel.checkpoint`, which also replays the RNG states of its model-parallel tracker).
+_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
 def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: int, *, pre_process: bool,
-               post_process: bool) -> nn.Module:
+               post_process: bool, recompute: bool = False) -> nn.Module:
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -165,15 +171,26 @@ def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: 
         perform_initialization=False,  # every weight is overwritten from the checkpoint
         variable_seq_lengths=True,  # micro batches are as long as their own samples: stages swap shapes
         moe_token_dispatcher_type="alltoall",  # dense models use none; megatron refuses its default here
+        **(_RECOMPUTE if recompute else {}),
     )
     rope = getattr(hf, "rope_parameters", None) or {}
-    return GPTModel(
+    gpt = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
         share_embeddings_and_output_weights=shape.tied and pipeline_parallel == 1, parallel_output=False,
         pre_process=pre_process, post_process=post_process,
     )
+    if recompute and pre_process:
+        # megatron's recompute is a reentrant autograd Function: its output needs a gradient only if
+        # its input does, and the frozen embedding's output needs none — without this the LoRA
+        # weights inside the layers would get no gradient (later stages receive inputs that do).
+        gpt.embedding.register_forward_hook(_output_needs_grad)
+    return gpt
+
+
+def _output_needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
+    return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
 
 def _add_lora(policy: MegatronPolicy, lora_cfg: LoraConfig, tp_size: int) -> None:
