@@ -14,6 +14,7 @@ from rltools.paths import RunPaths
 from rltools.train.model import export_adapter, load_policy
 from rltools.train.trainer import Trainer
 
+from .adam_bound import adapter_atol, condition
 from .test_trainer import LORA, synthetic_batch
 
 
@@ -25,7 +26,7 @@ def make_trainer(tiny_model, rank=0, world=1):
         shard_model(model)  # before the optimizer takes the parameters, as the trainer loop does
     trainer = Trainer(model, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=4, max_new_tokens=6,
                       pad_id=0, device=torch.device("cpu"), rank=rank, world_size=world)
-    return model, trainer
+    return model, condition(trainer)  # AdamW's eps as adam_bound.py sets it, for runs that sum in other orders
 
 
 def adapter(model) -> dict[str, torch.Tensor]:
@@ -86,10 +87,13 @@ def test_a_checkpoint_of_two_fsdp_ranks_resumes_on_one(tiny_model, tmp_path):
     assert list(paths.valid_checkpoints()) == [1]
     model, trainer = make_trainer(tiny_model)
     checkpoint.load(paths, 1, model, trainer.optimizer, rank=0)
-    trainer.step(synthetic_batch(seed=1))
+    grad_norm = trainer.step(synthetic_batch(seed=1))["grad_norm"]
     expected = torch.load(tmp_path / "after_two_steps.pt")
+    # step 2 sums its gradients in another order than the two ranks' (one rank, no reduce-scatter):
+    # within adam_bound.py's bound for one step; Adam's moments lost would move the adapters ~lr
+    atol = adapter_atol(trainer.algorithm.learning_rate, [grad_norm])
     for name, tensor in adapter(model).items():
-        torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=atol)
 
 
 def test_only_checkpoints_with_their_marker_count_and_debris_is_cleaned(tiny_model, tmp_path):
