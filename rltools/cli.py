@@ -95,8 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     handoff = kinds.add_parser("handoff", help="rollout shards through the store vs raw file write+fsync+read")
     handoff.add_argument("--dir", help="directory to measure in (default: here; use your run directory's filesystem)")
     handoff.add_argument("--repeats", type=int, default=9)
-    weights = kinds.add_parser("weights", help="weight-sync broadcast vs one contiguous gloo broadcast")
+    weights = kinds.add_parser("weights", help="weight-sync broadcast vs one contiguous broadcast (gloo or NCCL)")
     weights.add_argument("--mb", type=int, default=256, help="size of the model-like tensor set")
+    weights.add_argument("--receivers", type=int, default=2, help="generator-like receiving processes")
+    weights.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                         help="nccl: process r on GPU r, so receivers + 1 GPUs (default: gloo on CPU)")
     step = kinds.add_parser("step", help="our RL step (demo job) vs TRL's GRPOTrainer, same model and shape")
     step.add_argument("--steps", type=int, default=14)
     generate = kinds.add_parser("generate", help="vLLM generation tokens/s vs HF generate, same model and prompts")
@@ -334,10 +337,11 @@ def cmd_bench(args) -> int:
     else:
         from .bench.weights import run_weights_bench
 
-        result = run_weights_bench(total_mb=args.mb)
+        result = run_weights_bench(total_mb=args.mb, receivers=args.receivers, backend=args.backend)
         summary = (
-            f"weight broadcast of {result['total_mb']} MB to {result['receivers']} receivers: ours "
-            f"{result['ours_gb_s']} GB/s, one contiguous buffer {result['reference_gb_s']} GB/s, ratio {result['ratio']}"
+            f"weight broadcast ({result['backend']}) of {result['total_mb']} MB to {result['receivers']} receivers: "
+            f"ours {result['ours_gb_s']} GB/s, one contiguous buffer {result['reference_gb_s']} GB/s, "
+            f"ratio {result['ratio']}"
         )
     print(json.dumps(result) if args.json else summary)
     return 0

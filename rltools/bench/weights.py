@@ -9,7 +9,10 @@ The payload is shaped like a small LLM (SmolLM2-135M's layer shapes, layer count
 `total_mb`): two big embedding matrices, many attention and MLP matrices in bfloat16, many small
 float32 norms and bfloat16 biases, an int64 buffer.
 
-    python -m rltools.bench.weights [total_mb] [receivers]     # prints JSON
+On gloo every process works on CPU tensors over loopback; on nccl process r uses GPU r (NCCL
+wants one GPU per process), so `receivers` + 1 GPUs are needed.
+
+    python -m rltools.bench.weights [total_mb] [receivers] [gloo|nccl]     # prints JSON
 """
 
 import json
@@ -18,10 +21,12 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 
+from ..errors import UserError
 from ..paths import RunPaths
 from ..weight_sync.channel import WeightReceiver, WeightSender
 from ..weight_sync.rendezvous import SyncGroup, SyncOptions, host_group, join_group
@@ -61,8 +66,14 @@ def model_like(total_mb: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_weights_bench(total_mb: int = 256, receivers: int = 2) -> dict:
-    """Spawn `receivers` generator-like processes, send from this one over loopback gloo, time both."""
+def run_weights_bench(total_mb: int = 256, receivers: int = 2, backend: str = "gloo") -> dict:
+    """Spawn `receivers` generator-like processes, send from this one over `backend`, time both."""
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and gpus < receivers + 1:
+        fix = f"pass --receivers {gpus - 1}" if gpus > 1 else "use --backend gloo"
+        raise UserError(f"bench weights --backend nccl with {receivers} receiver(s) needs {receivers + 1} GPUs (NCCL "
+                        f"wants one per process); this machine has {gpus}: {fix}")
+    options = replace(OPTIONS, backend=backend)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 1 + receivers processes share the cores: intra-op threads only contend
     context = mp.get_context("spawn")
@@ -70,13 +81,15 @@ def run_weights_bench(total_mb: int = 256, receivers: int = 2) -> dict:
     with tempfile.TemporaryDirectory(prefix="rltools-bench-") as root:
         paths = RunPaths(root)
         paths.create()
-        workers = [context.Process(target=_receiver, args=(root, r, receivers + 1, results), daemon=True)
+        workers = [context.Process(target=_receiver, args=(root, r, receivers + 1, options, results), daemon=True)
                    for r in range(1, receivers + 1)]
         for w in workers:
             w.start()
         try:
-            group = host_group(paths, world_size=receivers + 1, address="127.0.0.1", options=OPTIONS)
-            report = _send(group, model_like(total_mb))
+            if backend == "nccl":
+                torch.cuda.set_device(0)
+            group = host_group(paths, world_size=receivers + 1, address="127.0.0.1", options=options)
+            report = _send(group, {name: t.to(group.device) for name, t in model_like(total_mb).items()})
             counts = [results.get(timeout=OPTIONS.collective_timeout_s) for _ in workers]
         finally:
             for w in workers:
@@ -87,12 +100,12 @@ def run_weights_bench(total_mb: int = 256, receivers: int = 2) -> dict:
     expected = (report["n_tensors"], report["nbytes"])
     if any(tuple(c) != expected for c in counts):
         raise RuntimeError(f"weight-sync bench: receivers saw (tensors, bytes) {counts}, the sender sent {expected}")
-    return {"receivers": receivers, **report}
+    return {"backend": backend, "receivers": receivers, **report}
 
 
 def _send(group: SyncGroup, tensors: dict[str, torch.Tensor]) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    reference = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+    reference = torch.empty(nbytes, dtype=torch.uint8, device=group.device).fill_(7)
     sender = WeightSender(group)
     ours, plain, pieces = [], [], 0
     for rep in range(WARMUP + REPETITIONS):
@@ -119,9 +132,11 @@ def _send(group: SyncGroup, tensors: dict[str, torch.Tensor]) -> dict:
     }
 
 
-def _receiver(root: str, rank: int, world_size: int, results) -> None:
+def _receiver(root: str, rank: int, world_size: int, options: SyncOptions, results) -> None:
     torch.set_num_threads(1)
-    group = join_group(RunPaths(root), rank=rank, world_size=world_size, options=OPTIONS)
+    if options.backend == "nccl":
+        torch.cuda.set_device(rank)
+    group = join_group(RunPaths(root), rank=rank, world_size=world_size, options=options)
     receiver = WeightReceiver(group)
     reference = None
     seen = [0, 0]
@@ -136,7 +151,8 @@ def _receiver(root: str, rank: int, world_size: int, results) -> None:
             if which == "ours":
                 seen[:] = [0, 0]
                 got = receiver.receive(consumer)
-                reference = reference if reference is not None else torch.empty(got.nbytes, dtype=torch.uint8).fill_(0)
+                if reference is None:
+                    reference = torch.zeros(got.nbytes, dtype=torch.uint8, device=group.device)
             else:
                 _reference(group, reference)
     results.put(seen)
@@ -154,9 +170,11 @@ def _reference(group: SyncGroup, buffer: torch.Tensor) -> None:
 
 
 def _barrier(group: SyncGroup) -> None:
-    group.pg.allreduce([torch.zeros(1)]).wait(timedelta(seconds=OPTIONS.collective_timeout_s))
+    flag = torch.zeros(1, device=group.device)
+    group.pg.allreduce([flag]).wait(timedelta(seconds=OPTIONS.collective_timeout_s))
+    flag.item()  # on CUDA, wait() only orders streams: this waits for the collective, so timings end here
 
 
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:3]]
+    args = [int(a) for a in sys.argv[1:3]] + sys.argv[3:4]
     print(json.dumps(run_weights_bench(*args), indent=2))

@@ -17,7 +17,8 @@ from ..errors import UserError
 from ..paths import RunPaths
 from .plan import Component, plan
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "sbatch"
+# rltools/templates links to the top-level templates/ in a checkout and is a real directory in a wheel.
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates" / "sbatch"
 TEMPLATE = "rl_job.sbatch.j2"
 
 # `#SBATCH --output=PATH` is parsed by Slurm, not the shell: no quoting is possible there, so the run

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TINY = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
 
 
-def test_megatron_policy_on_cuda_matches_hf_and_trains():
+def test_megatron_policy_on_cuda_matches_hf_and_trains(record_property):
     from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
     from rltools.train.megatron.model import export_weights, load_megatron_policy
     from rltools.train.megatron.parallel import init_parallel
@@ -33,10 +33,14 @@ def test_megatron_policy_on_cuda_matches_hf_and_trains():
     with torch.no_grad():
         ours = policy(ids, mask)
         theirs = hf(input_ids=ids, attention_mask=mask).logits
-    assert (ours - theirs).abs().max().item() < 1e-3  # TF32 matmuls may be on
+    gap = (ours - theirs).abs().max().item()
+    record_property("max_logit_gap_to_hf", gap)
+    assert gap < 1e-3  # TF32 matmuls may be on
     trainer = MegatronTrainer(policy, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=4, max_new_tokens=6,
                               pad_id=0, device=torch.device("cuda"))
     metrics = trainer.step(synthetic_batch(seed=0))
+    record_property("loss", metrics["loss"])
+    record_property("grad_norm", metrics["grad_norm"])
     assert metrics["grad_norm"] > 0
     exported = dict(export_weights(policy))
     assert exported.keys() == hf.state_dict().keys()
