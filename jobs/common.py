@@ -4,6 +4,7 @@ Two ways in: `python -m jobs.<role> RUN_DIR` (plain sbatch script, local launche
 `run_submitted`, the call the submitit executor pickles (rltools/launch/slurm.py).
 """
 
+import errno
 import logging
 import os
 import signal
@@ -11,10 +12,16 @@ import sys
 
 
 def run_role(role: str, argv: list[str]) -> int:
+    from rltools import faults
+    from rltools.preempt import catch_early
+
+    catch_early(role)  # before the slow imports below: a preemption signal must not kill a starting role
+    faults.point(f"{role}.start")
     if len(argv) != 1:
         print(f"usage: python -m jobs.{role} RUN_DIR", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("rltools").info("%s starting in %s (pid %d)", role, argv[0], os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -31,6 +38,20 @@ def run_role(role: str, argv: list[str]) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except OSError as err:  # a full disk, a read-only or vanished filesystem: say which file, and what next
+        print(f"error: {role}: {describe_os_error(err)}; once that is fixed, `rltools resume {argv[0]}` continues "
+              "from the last checkpoint", file=sys.stderr, flush=True)
+        logging.getLogger("rltools").debug("traceback", exc_info=True)
+        return 1
+
+
+def describe_os_error(err: OSError) -> str:
+    """One short line: the system's words for the errno (h5py's own message runs to several lines)."""
+    what = os.strerror(err.errno) if err.errno else (err.strerror or str(err))
+    where = f" writing {err.filename}" if err.filename else ""
+    hint = {errno.ENOSPC: "free space on that filesystem", errno.EDQUOT: "your disk quota is full",
+            errno.EROFS: "the filesystem is read-only"}.get(err.errno)
+    return f"{what}{where}" + (f" ({hint})" if hint else "")
 
 
 class RoleFailed(RuntimeError):
@@ -39,14 +60,15 @@ class RoleFailed(RuntimeError):
 
 def run_submitted(run_dir: str) -> str:
     """The task body under the submitit executor: run this task's role (srun sets RLTOOLS_ROLE)."""
+    from rltools.preempt import EXIT_STOPPED, catch_early
+
+    catch_early(os.environ.get("RLTOOLS_ROLE", "trainer"))  # before RoleEnv's imports: see run_role
     from rltools.launch.role_env import RoleEnv
-    from rltools.preempt import EXIT_STOPPED
 
     # submitit's handlers would make SIGTERM a no-op (scancel then waits out KillWait) and requeue
-    # the job from generator task 0 on the preemption signal, with no checkpoint: Slurm's default
-    # actions apply instead.
-    for signum in (signal.SIGTERM, signal.SIGCONT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, signal.SIG_DFL)
+    # the job from generator task 0 on the preemption signal, with no checkpoint: the role's own
+    # handling (catch_early above, then the role's) applies instead.
+    signal.signal(signal.SIGCONT, signal.SIG_DFL)
     logging.getLogger("submitit").propagate = False  # it has its own handler: no doubled lines
     env = RoleEnv.from_environ()
     code = run_role(env.role, [run_dir])

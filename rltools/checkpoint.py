@@ -8,6 +8,10 @@ Invariants:
 - Only a `step_<k>` directory holding the marker is valid; the latest is found by scanning, never
   from a pointer file. Anything else under `checkpoints/` is debris of an interrupted save and is
   deleted by `clean_incomplete`.
+- Every file of a checkpoint is listed in its `checksums.json` (size and XXH3-64) before the marker
+  is written; a resume verifies the newest checkpoint against it and, when a file is damaged,
+  truncated or missing, moves that checkpoint to `checkpoints.rejected/` and takes the next newest
+  one, naming what it skipped. Retention only ever deletes checkpoints older than the newest one.
 - What is saved: the trainable weights (the LoRA adapters, or every weight without LoRA) and the
   optimizer state as DCP shards, so a different number of trainer ranks can load them; plus the
   step (= policy version = data cursor: step k's prompts are a function of the seed and k) and each
@@ -27,12 +31,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from .durable import fsync_path
+from . import faults
+from .durable import fsync_path, naming
 from .paths import CHECKPOINT_MARKER, RunPaths
 
 META = "meta.json"
+MANIFEST = "checksums.json"
+_FAILURES = (Exception, CheckpointException)  # DCP's own error derives from BaseException
+_CHUNK = 8 << 20
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # One trainer rank saves without a process group (no_dist); DCP still warns that it assumes so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -57,16 +66,24 @@ def save(paths: RunPaths, step: int, model, optimizer, *, rank: int, keep: int) 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    with open(tmp / f"rng_{rank}.pkl", "wb") as f:
-        pickle.dump(_rng_state(), f)
-        _sync(f)
-    barrier()
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        with naming(tmp / f"rng_{rank}.pkl"), open(tmp / f"rng_{rank}.pkl", "wb") as f:
+            pickle.dump(_rng_state(), f)
+            _sync(f)
+        barrier()
+        faults.point("trainer.checkpoint", step)
+        if rank == 0:
+            _write_synced(tmp / META, json.dumps({"step": step, "policy_version": step, "time": time.time(),
+                                                  "world_size": _world_size()}))
+            _write_synced(tmp / MANIFEST, json.dumps(_checksums(tmp)))
+            _write_synced(tmp / CHECKPOINT_MARKER, "")
+    except _FAILURES as err:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, give the space back at once
+        raise _named(err, tmp) from err
     if rank == 0:
-        _write_synced(tmp / META, json.dumps({"step": step, "policy_version": step, "time": time.time(),
-                                              "world_size": _world_size()}))
-        _write_synced(tmp / CHECKPOINT_MARKER, "")
         shutil.rmtree(final, ignore_errors=True)  # a marker-less leftover of the same step
         os.replace(tmp, final)
         fsync_path(paths.checkpoints)
@@ -76,12 +93,100 @@ def save(paths: RunPaths, step: int, model, optimizer, *, rank: int, keep: int) 
     return final
 
 
+def resume_point(paths: RunPaths) -> tuple[int, list[str]]:
+    """The steps of the newest checkpoint that verifies (0: none), and one note per newer checkpoint
+    that did not, which is moved to `paths.rejected_checkpoints` (kept for inspection, never loaded).
+    Trainer rank 0 calls it before the other ranks look for the latest checkpoint."""
+    notes = []
+    for step, directory in reversed(paths.valid_checkpoints().items()):
+        problems = verify(directory)
+        if not problems:
+            return step, notes
+        paths.rejected_checkpoints.mkdir(exist_ok=True)
+        target = paths.rejected_checkpoints / f"{directory.name}.{int(time.time())}"
+        os.replace(directory, target)
+        notes.append(f"checkpoint {directory} is damaged ({'; '.join(problems[:3])}); moved it to {target}")
+    return 0, notes
+
+
+def verify(directory: Path) -> list[str]:
+    """What is wrong with a published checkpoint, file by file, against its checksums.json; [] when
+    nothing is (a checkpoint of an rltools without checksums cannot be checked: [] too)."""
+    try:
+        recorded = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as err:
+        return [f"{MANIFEST} unreadable: {err}"]
+    problems = []
+    for name, expected in recorded.items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+            if size != expected["bytes"]:
+                problems.append(f"{name} has {size} bytes, {expected['bytes']} were written")
+            elif _xxh3(path) != expected["xxh3_64"]:
+                problems.append(f"{name} fails its checksum")
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+        except OSError as err:
+            problems.append(f"{name} unreadable: {err.strerror}")
+    return problems
+
+
+def _checksums(directory: Path) -> dict[str, dict]:
+    return {path.name: {"bytes": path.stat().st_size, "xxh3_64": _xxh3(path)}
+            for path in sorted(directory.iterdir()) if path.is_file() and path.name not in (MANIFEST, CHECKPOINT_MARKER)}
+
+
+def _xxh3(path: Path) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def _named(err: BaseException, directory: Path) -> Exception:
+    """The error of a failed save, naming the checkpoint (DCP wraps a full disk in its own exception)."""
+    cause = _os_error(err)
+    if cause is not None:
+        return OSError(cause.errno, f"{cause.strerror} (writing checkpoint {directory})", cause.filename or str(directory))
+    return RuntimeError(f"writing checkpoint {directory} failed: {type(err).__name__}: {err}")
+
+
+def _os_error(err: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError at the root of `err`: its causes, or the per-rank failures DCP collects."""
+    if err is None or depth > 8:
+        return None
+    if isinstance(err, OSError) and err.errno is not None:
+        return err
+    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]  # (error, trace)
+    for inner in [err.__cause__, err.__context__, *failures]:
+        found = _os_error(inner if isinstance(inner, BaseException) else None, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
 def load(paths: RunPaths, step: int, model, optimizer, *, rank: int) -> dict:
     """Restore the checkpoint of `step` into `model` and `optimizer` (collective); returns its meta."""
     directory = paths.checkpoint_dir(step)
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    try:
+        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    except _FAILURES as err:
+        raise RuntimeError(
+            f"loading checkpoint {directory} failed ({type(err).__name__}: {_first_line(err)}); "
+            f"move it into {paths.rejected_checkpoints} and resume again to continue from the checkpoint before it"
+        ) from err
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_LOAD_OPTIONS)
     rng = directory / f"rng_{rank}.pkl"
@@ -124,7 +229,7 @@ def _world_size() -> int:
 
 
 def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    with naming(path), open(path, "w") as f:
         f.write(text)
         _sync(f)
 

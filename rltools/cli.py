@@ -141,10 +141,11 @@ def cmd_submit(args) -> int:
         print(describe(config, plan(config)), file=sys.stderr)
         sys.stdout.write(script)
         return 0
-    return launch(config, prepare_run_dir(config, script), args.wait)
+    return launch(config, script, args.wait, by="rltools submit")
 
 
 def cmd_resume(args) -> int:
+    from .launch.run_dir import recorded_run_dir
     from .monitor import open_run
 
     paths = open_run(args.run_dir)
@@ -152,34 +153,56 @@ def cmd_resume(args) -> int:
     if others:
         raise UserError(f"resume can change cluster.* keys only, not {others}: the other keys made the run's "
                         "checkpoints and rollouts; start a new run (another run.dir) to change them")
-    config = load_config(paths.config, args.overrides)
+    # The run continues where its directory is now: a moved or copied run must not run in the old place.
+    config = load_config(paths.config, [*args.overrides, f"run.dir={paths.root}"])
+    recorded = recorded_run_dir(paths)
+    if recorded is not None and recorded.resolve() != paths.root:
+        print(f"note: {paths.root} was moved or copied from {recorded} (its config's run.dir); the run continues "
+              f"in {paths.root}", file=sys.stderr)
     done = paths.latest_checkpoint()
     if done >= config.schedule.steps:
         print(f"{paths.root} is complete: its checkpoint holds all {done} steps", file=sys.stderr)
         return 0
     print(f"resuming {paths.root} after {done} of {config.schedule.steps} steps" if done else
           f"no checkpoint in {paths.root}: starting from step 0", file=sys.stderr)
-    return launch(config, prepare_run_dir(config, render_sbatch(config), may_change=("cluster",)), args.wait)
+    return launch(config, render_sbatch(config), args.wait, by="rltools resume", may_change=("cluster",))
 
 
-def launch(config, paths, wait: bool) -> int:
-    """Run the job of a prepared run directory with its launcher (its trainers resume from the
-    latest checkpoint there, if any)."""
-    print(describe(config, plan(config)), file=sys.stderr)
-    if config.cluster.launcher == "local":
-        from .launch.local import run_local
+def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...] = ()) -> int:
+    """Check what the job will read, lock and prepare its run directory, and run the job with its
+    launcher (its trainers resume from the latest checkpoint there, if any)."""
+    from .launch.preflight import preflight
+    from .launch.run_dir import create_run_dir
+    from .launch.run_lock import RunLock, describe as describe_holder
+    from .launch.slurm import refuse_if_active
 
-        return run_local(config, paths)
+    preflight(config)
+    local = config.cluster.launcher == "local"
+    paths = create_run_dir(config)
+    with RunLock.acquire(paths, by=f"{by} (local launcher)" if local else f"{by} (submitting)") as lock:
+        if lock.previous:
+            print(f"note: {describe_holder(lock.previous)} ended without releasing {paths.lock_file}; taking it over",
+                  file=sys.stderr)
+        refuse_if_active(paths)  # a requeued Slurm job between attempts holds no lock but owns the run
+        prepare_run_dir(config, script, may_change)
+        print(describe(config, plan(config)), file=sys.stderr)
+        if local:
+            from .launch.local import run_local
+
+            return run_local(config, paths, lock)
+    return _submit_to_slurm(config, paths, wait)  # the job script holds the lock while the job runs
+
+
+def _submit_to_slurm(config, paths, wait: bool) -> int:
     from .launch.slurm import submit_job
+    from .monitor import Progress, format_status, wait_for_end
 
+    progress = Progress(config, paths) if wait else None  # before the job: all it writes is new
     job = submit_job(config, paths)
     print(f"submitted job {job.job_id}; follow it with: rltools status {paths.root}  |  rltools logs {paths.root} -f",
           file=sys.stderr)
     if not wait:
         return 0
-    from .monitor import Progress, format_status, wait_for_end
-
-    progress = Progress(config, paths)
     status = wait_for_end(paths, progress=progress)
     progress.update()
     progress.finish()
@@ -188,9 +211,15 @@ def launch(config, paths, wait: bool) -> int:
 
 
 def cmd_render(args) -> int:
+    from .launch.preflight import preflight
+    from .launch.run_dir import create_run_dir
+    from .launch.run_lock import RunLock
+
     config = load_config(args.config, args.overrides)
     script = render_sbatch(config)
-    paths = prepare_run_dir(config, script)
+    preflight(config)
+    with RunLock.acquire(create_run_dir(config), by="rltools render"):  # never rewrite a running job's files
+        paths = prepare_run_dir(config, script)
     target = args.output or paths.sbatch_script
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,13 @@
-"""Durable writes on shared filesystems: what survives a crash is what was fsynced."""
+"""Durable writes on shared filesystems: what survives a crash is what was fsynced.
 
+Invariants:
+- `atomic_write` leaves either the old file or the complete new one under the final name, never a
+  mix, and no temporary behind when it fails (a full disk included).
+- An OSError that leaves these helpers names the file it was about (a failed write() carries no
+  file name by itself: "No space left on device" alone does not say where).
+"""
+
+import contextlib
 import os
 from pathlib import Path
 
@@ -11,3 +19,36 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data`: a temporary in the same directory, fsynced, renamed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with naming(path):
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line (a JSON record) to a log file; a line cut by a crash is dropped by its readers."""
+    with naming(path), open(path, "a") as f:
+        f.write(line if line.endswith("\n") else line + "\n")
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """Re-raise an OSError that names no file as the same error naming `path`."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise

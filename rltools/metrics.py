@@ -6,9 +6,9 @@ the training metrics, generator rank 0 the evaluations, each to its own event fi
 """
 
 import json
-import os
 import shutil
 
+from .durable import append_line, atomic_write
 from .paths import RunPaths
 
 _writers: dict[str, object] = {}
@@ -31,10 +31,15 @@ def _keep_lines(path, keep) -> None:
     """Rewrite a JSON-lines file with the complete lines `keep` accepts (a cut last line goes)."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line for line in lines if keep(json.loads(line))))
-    os.replace(tmp, path)
+    lines = [line for line in path.read_text(errors="replace").splitlines(keepends=True) if line.endswith("\n")]
+    atomic_write(path, "".join(line for line in lines if _parses(line) and keep(json.loads(line))))
+
+
+def _parses(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:  # a line a crash left half-written and a later append completed
+        return False
 
 
 def _eval_steps(paths: RunPaths) -> list[int]:
@@ -43,8 +48,7 @@ def _eval_steps(paths: RunPaths) -> list[int]:
 
 def append_metrics(paths: RunPaths, metrics: dict) -> None:
     """One step's metrics (`metrics["step"]` 0-based) to metrics.jsonl and TensorBoard."""
-    with open(paths.metrics, "a") as f:
-        f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
+    append_line(paths.metrics, json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}))
     scalars = {k: v for k, v in metrics.items() if k not in ("step", "time")}
     write_scalars(paths, metrics["step"] + 1, scalars, prefix="train")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from .config import load_config
 from .config.schema import RLConfig
 from .errors import UserError
+from .launch.run_lock import is_held
 from .launch.slurm import ACTIVE, job_state
 from .paths import ROLES, RunPaths
 from .preempt import EXIT_STOPPED
@@ -58,7 +59,7 @@ def run_status(paths: RunPaths) -> dict:
     }
     if job_id:
         status.update(job_state(job_id))
-    elif _local_launcher_alive(paths):
+    elif is_held(paths):  # the local launcher (and its roles) hold the run's lock while they run
         status["state"] = "RUNNING"
     exits = _exit_codes(paths, attempts[-1]) if attempts else {}
     if status["state"] == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
@@ -72,14 +73,6 @@ def run_status(paths: RunPaths) -> dict:
             status["failed_component"] = COMPONENT_OF[failed[0]]
             status["log_tail"] = failing_log_tail(paths, attempts[-1], failed[0])
     return status
-
-
-def _local_launcher_alive(paths: RunPaths) -> bool:
-    try:
-        os.kill(int(paths.local_pid_file.read_text()), 0)
-    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 def format_status(status: dict) -> str:
@@ -110,20 +103,37 @@ def format_status(status: dict) -> str:
 
 
 def read_metrics(paths: RunPaths) -> list[dict]:
-    if not paths.metrics.exists():
+    """The complete, readable records of metrics.jsonl (a line cut by a crash is not one)."""
+    try:
+        text = paths.metrics.read_text(errors="replace")
+    except FileNotFoundError:
         return []
-    text = paths.metrics.read_text()
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+    return _parse_records(text[: text.rfind("\n") + 1])
 
 
-def read_evals(paths: RunPaths, skip: set[int] = frozenset()) -> dict[int, dict]:
-    """Held-out results by step, oldest first; steps in `skip` are not read again."""
-    found = {}
-    for path in paths.eval_dir.glob("step_*.json") if paths.eval_dir.is_dir() else ():
-        step = int(path.stem.split("_")[1])
-        if step not in skip:
-            found[step] = json.loads(path.read_text())
-    return dict(sorted(found.items()))
+def _parse_records(text: str) -> list[dict]:
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def read_evals(paths: RunPaths) -> dict[int, dict]:
+    """Held-out results by step, oldest first."""
+    found = {step: _read_json(paths.eval_result(step)) for step in sorted(_eval_files(paths))}
+    return {step: result for step, result in found.items() if result is not None}
 
 
 def _eta(metrics: list[dict], total: int) -> float | None:
@@ -205,7 +215,7 @@ def show_logs(paths: RunPaths, role: str | None, rank: int | None, follow: bool,
 def _still_running(paths: RunPaths) -> bool:
     if paths.job_id_file.exists():
         return job_state(paths.job_id_file.read_text().strip())["state"] in ACTIVE
-    return _local_launcher_alive(paths)
+    return is_held(paths)
 
 
 def wait_for_end(paths: RunPaths, timeout_s: float | None = None, progress=None) -> dict:
@@ -231,59 +241,103 @@ def wait_for_end(paths: RunPaths, timeout_s: float | None = None, progress=None)
 
 
 class Progress:
-    """One line per step (a redrawn bar on a terminal): step, reward, accuracy, tokens/s, timings."""
+    """One line per step (a redrawn bar on a terminal): step, reward, accuracy, tokens/s, timings.
+
+    Invariant: it shows what the job it follows writes, each step and evaluation once. What the run
+    directory held when it was created is history and is not shown again; a metrics.jsonl that a
+    resume rewrites (a new, shorter file) is read again from its start, skipping lines already
+    known, so a resume never replays the steps it discards. A line it cannot parse is skipped: the
+    display must never stop the run it follows.
+    """
 
     def __init__(self, config: RLConfig, paths: RunPaths, quiet: bool = False):
         self.paths, self.steps, self.k, self.quiet = paths, config.schedule.steps, config.eval.k, quiet
-        self.offset = 0
-        self.evals: dict[int, dict] = {}  # eval results read so far, by step
         self.tty = sys.stderr.isatty()
+        self.inode, self.offset, self.printed = None, 0, False
+        self.known = {_record_key(m) for m in self._new_records()}  # history
+        self.shown_evals = dict(_eval_files(paths))  # step -> mtime of the result file, history too
 
     def update(self) -> None:
+        lines = []  # (steps done, is an eval, text): an eval after k steps prints right after step k
+        for m in self._new_records():
+            if _record_key(m) in self.known:
+                continue
+            self.known.add(_record_key(m))
+            lines.append((m["step"] + 1, False, step_line(m, self.steps)))
+        for step, mtime in _eval_files(self.paths).items():
+            if self.shown_evals.get(step) != mtime:
+                self.shown_evals[step] = mtime
+                result = _read_json(self.paths.eval_result(step))
+                if result:
+                    lines.append((step, True, eval_line(step, result)))
         if self.quiet:
             return
-        lines = []  # (steps done, is an eval, text): an eval after k steps prints right after step k
-        for line in self._new_metrics():
-            m = json.loads(line)
-            done = m["step"] + 1
-            bar = ("=" * int(20 * done / self.steps)).ljust(20)
-            lines.append((done, False, (
-                f"step {done}/{self.steps} [{bar}] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
-                f"kl {m.get('kl', 0):.4f} | {m['gen_tokens_per_s']:.0f} tok/s | gen {m['generation_s']:.2f}s "
-                f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s"
-            )))
-        for step, result in self._new_evals():
-            lines.append((step, True, f"eval after {step} steps: avg@{result['k']} {result['avg_at_k']:.3f} "
-                                      f"(+- {result['stderr']:.3f}, {result['n_problems']} problems)"))
         for _, is_eval, text in sorted(lines, key=lambda item: item[:2]):
             if is_eval:
-                print(("\n" if self.tty else "") + text, file=sys.stderr, flush=True)
+                _print(("\n" if self.tty else "") + text)
             else:
-                print(("\r" + text) if self.tty else text, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+                _print(("\r" + text) if self.tty else text, end="" if self.tty else "\n")
+            self.printed = True
 
     def finish(self) -> None:
         if self.quiet:
             return
-        evals = self.evals  # complete: run_local calls update() once more before finish()
+        evals = read_evals(self.paths)
         if 0 in evals and self.steps in evals:
             before, after = evals[0]["avg_at_k"], evals[self.steps]["avg_at_k"]
-            print(f"\nheld-out avg@{self.k}: {before:.3f} before -> {after:.3f} after {self.steps} steps "
-                  f"({100 * (after - before):+.1f} points)", file=sys.stderr)
-        print(f"run directory: {self.paths.root}", file=sys.stderr)
+            _print(f"\nheld-out avg@{self.k}: {before:.3f} before -> {after:.3f} after {self.steps} steps "
+                   f"({100 * (after - before):+.1f} points)")
+        _print(f"run directory: {self.paths.root}")
 
-    def _new_metrics(self) -> list[str]:
+    def _new_records(self) -> list[dict]:
+        """Records appended since the last poll; all of them again after the file was replaced."""
         try:
-            with open(self.paths.metrics) as f:
+            with open(self.paths.metrics, "rb") as f:
+                stat = os.fstat(f.fileno())
+                if stat.st_ino != self.inode or stat.st_size < self.offset:  # new, or a resume rewrote it
+                    if self.printed and self.inode is not None:
+                        _print(f"\n(the job restarted from its checkpoint after {self.paths.latest_checkpoint()} steps)")
+                    self.inode, self.offset = stat.st_ino, 0
                 f.seek(self.offset)
-                text = f.read()
+                data = f.read()
         except FileNotFoundError:
             return []
-        complete = text[: text.rfind("\n") + 1]  # a line still being written waits for the next poll
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
         self.offset += len(complete)
-        return complete.splitlines()
+        records = []
+        return _parse_records(complete.decode(errors="replace"))
 
-    def _new_evals(self) -> list[tuple[int, dict]]:
-        """Eval results that appeared since the last poll (each file is read once)."""
-        new = read_evals(self.paths, skip=set(self.evals))
-        self.evals.update(new)
-        return list(new.items())
+
+def _record_key(record: dict) -> tuple:
+    return record["step"], record.get("time")
+
+
+def _eval_files(paths: RunPaths) -> dict[int, int]:
+    """Evaluation result files by step, with their modification times (a rewrite is a new result)."""
+    found = {}
+    for path in paths.eval_dir.glob("step_*.json") if paths.eval_dir.is_dir() else ():
+        try:
+            found[int(path.stem.split("_")[1])] = path.stat().st_mtime_ns
+        except (ValueError, FileNotFoundError):
+            continue
+    return found
+
+
+def step_line(m: dict, total: int) -> str:
+    done = m["step"] + 1
+    bar = ("=" * int(20 * done / total)).ljust(20)
+    return (f"step {done}/{total} [{bar}] reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} "
+            f"kl {m.get('kl', 0):.4f} | {m['gen_tokens_per_s']:.0f} tok/s | gen {m['generation_s']:.2f}s "
+            f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s")
+
+
+def eval_line(step: int, result: dict) -> str:
+    return (f"eval after {step} steps: avg@{result['k']} {result['avg_at_k']:.3f} "
+            f"(+- {result['stderr']:.3f}, {result['n_problems']} problems)")
+
+
+def _print(text: str, end: str = "\n") -> None:
+    try:
+        print(text, end=end, file=sys.stderr, flush=True)
+    except OSError:  # a closed terminal: the run goes on
+        pass

@@ -50,9 +50,10 @@ class RunPaths:
         return self.slurm_dir / "job.sbatch"
 
     @property
-    def local_pid_file(self) -> Path:
-        """The local launcher's pid while it runs the job (cluster.launcher: local)."""
-        return self.slurm_dir / "local.pid"
+    def lock_file(self) -> Path:
+        """Held (flock) by whatever runs the job, with the holder's host and pid inside: the local
+        launcher and its roles, or the Slurm job script (see rltools/launch/run_lock.py)."""
+        return self.root / "run.lock"
 
     @property
     def job_id_file(self) -> Path:
@@ -124,6 +125,11 @@ class RunPaths:
     def checkpoint_tmp(self, step: int) -> Path:
         """Where a checkpoint is written before the rename that publishes it."""
         return self.checkpoints / f".step_{step}.tmp"
+
+    @property
+    def rejected_checkpoints(self) -> Path:
+        """Where a resume moves checkpoints that fail verification (kept for inspection, never loaded)."""
+        return self.root / "checkpoints.rejected"
 
     def checkpoint_steps(self) -> dict[int, Path]:
         """Published checkpoint directories by step (valid or not: see rltools/checkpoint.py)."""

@@ -5,10 +5,14 @@ Slurm sends `cluster.preempt_signal` (USR2 by default) to every task of both com
 send it with `scancel --signal=USR2 JOB`. scancel, `scontrol requeue`, preemption and the time limit
 itself send SIGTERM, then SIGKILL after KillWait.
 
-- Trainers: either signal sets a flag that the loop checks at safe points (between steps, and while
+- Trainers: SIGTERM before the first step ends the process at once (there is nothing to save).
+  Otherwise either signal sets a flag that the loop checks at safe points (between steps, and while
   waiting for rollouts); the trainers then write a checkpoint. After the warning signal, trainer rank 0
   also requeues the job (`cluster.requeue`, fewer than `cluster.max_requeues` restarts so far);
   after SIGTERM Slurm itself decides whether the job comes back.
+- From its first instant (`catch_early`, before any slow import) a role process keeps a signal
+  rather than dying of it: a trainer records it and stops at its first safe point (a warning during
+  start-up still requeues the job), a generator ignores the warning and leaves on SIGTERM.
 - Generators ignore the warning: the trainers decide when the job stops, and a generator that exited
   would make the job script stop the trainers in the middle of their checkpoint. On SIGTERM they
   exit at once, successfully: shards are written atomically, so nothing is lost.
@@ -26,6 +30,24 @@ EXIT_STOPPED = 3
 """Exit code of a trainer that stopped at a checkpoint on a signal: the run is resumable."""
 
 
+CANDIDATES = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+"""Signals cluster.preempt_signal may name besides SIGTERM (SIGINT keeps Python's KeyboardInterrupt)."""
+_early: list[str] = []  # names of signals received before the role read its config
+
+
+def catch_early(role: str) -> None:
+    """The first thing a role process does: until the role knows its config (and so which signal is
+    the warning), keep every candidate signal instead of dying of it. A generator may leave on
+    SIGTERM at once: nothing it holds yet needs saving."""
+
+    def keep(signum, frame) -> None:
+        _early.append(signal.Signals(signum).name)
+
+    for signum in CANDIDATES:
+        signal.signal(signum, keep)
+    signal.signal(signal.SIGTERM, keep if role == "trainer" else lambda signum, frame: os._exit(0))
+
+
 class Stopped(Exception):
     """Raised where the trainer loop notices a stop request; carries the signal's name."""
 
@@ -36,11 +58,24 @@ class StopFlag:
     def __init__(self, preempt_signal: str):
         self.warning = getattr(signal, f"SIG{preempt_signal}")
         self.received: str | None = None
+        self.starting = True
+        """Until the first step: SIGTERM then ends the process at once (nothing to checkpoint, and a
+        trainer waiting for generators that will never join must not hold up the shutdown)."""
+        stops = {signal.Signals(self.warning).name, "SIGTERM"}
+        for name in _early:  # received during start-up: stop at the first safe point
+            if name in stops:
+                self._handle(getattr(signal, name), None)
+            else:
+                log.info("ignored %s received during start-up (not cluster.preempt_signal)", name)
         for signum in {self.warning, signal.SIGTERM}:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and self.starting:
+            log.warning("received SIGTERM while starting: nothing to checkpoint yet; stopping")
+            logging.shutdown()
+            os._exit(EXIT_STOPPED)
         if self.received is None:
             log.warning("received %s: stopping at the next safe point to write a checkpoint", name)
         self.received = self.received or name
@@ -72,6 +107,8 @@ def generator_signals(preempt_signal: str) -> None:
         sys.stderr.flush()
         os._exit(0)
 
+    for name in _early:  # SIGTERM during start-up has ended the process already
+        log.info("ignored %s received during start-up: the trainers decide when the job stops", name)
     if warning != signal.SIGTERM:
         signal.signal(warning, ignore)
     signal.signal(signal.SIGTERM, leave)

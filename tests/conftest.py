@@ -1,4 +1,4 @@
-"""Test tiers by directory: tests/<tier>/ gets the `<tier>` marker (unit, integration, slurm, gpu).
+"""Test tiers by directory: tests/<tier>/ gets the `<tier>` marker (unit, integration, faults, slurm, gpu).
 
 Run one tier with `pytest -m unit`. GPU tests skip without CUDA; Slurm tests skip without a
 running local cluster unless RLTOOLS_REQUIRE_SLURM=1 (CI), where a missing cluster is a failure.
@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 threads were 2-5x slower under load here
 
-TIERS = ("unit", "integration", "slurm", "gpu")
+TIERS = ("unit", "integration", "faults", "slurm", "gpu")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import load_config
 from ..launch.local import run_local
 from ..launch.run_dir import prepare_run_dir
+from ..launch.run_lock import RunLock
 from ..launch.sbatch import render_sbatch
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -28,7 +29,9 @@ def run_step_bench(steps: int = 14, warmup: int = 3, overrides: list[str] = ()) 
             DEMO, [f"run.dir={work}/run", f"schedule.steps={steps}", "eval.problems=8", "schedule.eval_every=0", *overrides]
         )
         paths = prepare_run_dir(config, render_sbatch(config))
-        if run_local(config, paths, quiet=True) != 0:
+        with RunLock.acquire(paths, by="rltools bench step") as lock:
+            code = run_local(config, paths, lock, quiet=True)
+        if code != 0:
             raise RuntimeError(f"the demo run failed; see {paths.log_dir}")
         times = [json.loads(line)["time"] for line in paths.metrics.read_text().splitlines()]
     ours = statistics.median(b - a for a, b in zip(times[warmup:], times[warmup + 1 :]))

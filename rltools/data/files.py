@@ -4,7 +4,7 @@ Invariants:
 - `load_problems` returns the file's problems in file order (minus repeats with `dedupe`), each
   prompt rendered with the template; it is a pure function of the file and its arguments.
 - Bad input is a UserError naming the file and the line (JSONL) or row (Parquet) and the key:
-  a missing file, an empty file, a line that is not a JSON object, a missing column, a non-text
+  a missing file, an empty file, a line that is not UTF-8 or not a JSON object, a missing column, a non-text
   problem, an answer that is not an integer where the reward needs one, a broken template.
 """
 
@@ -32,8 +32,13 @@ def read_rows(path: str | Path, kind: str) -> list[tuple[str, dict]]:
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                                "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

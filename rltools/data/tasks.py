@@ -1,8 +1,8 @@
 """A task = where problems come from (`data.type`) + how completions are scored (`reward.type`).
 
 Invariant: training problems of a step are a pure function of (seed, step), so any generator
-rank can regenerate its share after a restart; `cursor_after(step)` is the data position a
-checkpoint of that step records.
+rank can regenerate its share after a restart. The step is the whole data position: a checkpoint
+records the step, and the cursor of a file task is `DataOrder.cursor_at(step, prompts_per_step)`.
 """
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from ..reward.verifiers import INTEGER_TYPES
 from . import arithmetic
 from .arithmetic import Problem
 from .files import load_problems
-from .order import Cursor, DataOrder
+from .order import DataOrder
 
 
 @dataclass
@@ -27,9 +27,6 @@ class ArithmeticTask:
 
     def eval_problems(self, count: int) -> list[Problem]:
         return arithmetic.problems(self.seed, "eval", count)
-
-    def cursor_after(self, step: int, count: int) -> Cursor:
-        return Cursor(0, (step + 1) * count)  # problems are drawn, not visited: the position is the step
 
 
 @dataclass
@@ -46,9 +43,6 @@ class FileTask:
     def eval_problems(self, count: int) -> list[Problem]:
         """The first `count` held-out problems, in file order."""
         return self.eval[:count]
-
-    def cursor_after(self, step: int, count: int) -> Cursor:
-        return self.order.cursor_at(step + 1, count)
 
 
 def make_task(data: DataConfig, reward: RewardConfig, seed: int) -> ArithmeticTask | FileTask:

@@ -13,8 +13,10 @@ import time
 
 import numpy as np
 
+from .. import faults
 from ..config import load_config
 from ..data.tasks import make_task
+from ..durable import append_line, atomic_write
 from ..eval.metrics import summarize
 from ..launch.role_env import RoleEnv
 from ..metrics import write_scalars
@@ -61,6 +63,7 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
         if paths.rollout_shard(step, env.rank).exists():
             log.info("step %d: shard kept from before the restart", step)
             continue
+        faults.point("generator.sample", step)
         problems = task.train_problems(step, schedule.prompts_per_step)
         share = list(prompt_share(config, env.rank))
         start = time.perf_counter()
@@ -129,11 +132,8 @@ def record_eval(paths: RunPaths, summary: dict, version: int) -> None:
     """-> eval/step_<version>.json (atomically) and one line of eval.jsonl."""
     summary = {"step": version, **summary}
     paths.eval_dir.mkdir(exist_ok=True)
-    tmp = paths.eval_result(version).with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary))
-    tmp.replace(paths.eval_result(version))
+    atomic_write(paths.eval_result(version), json.dumps(summary))
     line = {key: value for key, value in summary.items() if key != "per_problem_accuracy"}
-    with open(paths.eval_log, "a") as f:
-        f.write(json.dumps({**line, "time": time.time()}) + "\n")
+    append_line(paths.eval_log, json.dumps({**line, "time": time.time()}))
     write_scalars(paths, version, line, prefix="eval")
     log.info("eval at policy version %d: avg@%d %.3f +- %.3f", version, summary["k"], summary["avg_at_k"], summary["stderr"])

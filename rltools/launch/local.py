@@ -2,9 +2,13 @@
 
 Invariant: the children are started exactly as `srun` would start them (same entry modules, same
 run directory, RoleEnv's local variables instead of SLURM_*), and they never outlive the launcher:
-a failing child, Ctrl-C or a finished run stops them all.
+a failing child, Ctrl-C, SIGTERM, SIGHUP, an error in the launcher itself or a finished run stops
+them all; if the launcher is killed outright (SIGKILL), the kernel sends each child SIGTERM
+(PR_SET_PDEATHSIG), which a trainer answers with a checkpoint. The children inherit the run
+directory's lock, so no second launch starts until the last of them has stopped.
 """
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -12,49 +16,74 @@ import sys
 import time
 
 from ..config.schema import RLConfig
-from ..paths import RunPaths
 from ..monitor import Progress
+from ..paths import RunPaths
+from ..preempt import EXIT_STOPPED
 from .plan import plan
 from .role_env import RoleEnv
+from .run_lock import RunLock
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 30.0  # a trainer stopping on SIGTERM writes its checkpoint first
+LOW_DISK_BYTES = 1 << 20
+_PR_SET_PDEATHSIG = 1
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
 
 
-def run_local(config: RLConfig, paths: RunPaths, quiet: bool = False) -> int:
+class Terminated(Exception):
+    """SIGTERM or SIGHUP reached the launcher (`timeout`, `kill`, a closed terminal)."""
+
+
+def run_local(config: RLConfig, paths: RunPaths, lock: RunLock, quiet: bool = False) -> int:
     attempt = len(paths.attempts())  # 0 for a fresh run, +1 for each resume (as the Slurm script counts)
-    children = start_children(config, paths, attempt)
-    progress = Progress(config, paths, quiet)
-    paths.local_pid_file.write_text(f"{os.getpid()}\n")  # `rltools status`: the run is alive while this is
+    progress = Progress(config, paths, quiet)  # before the children: what they write is new
+    previous = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    children: list[dict] = []  # filled as they start: a signal during start-up stops those already running
     try:
+        start_children(config, paths, attempt, lock, children)
         return _supervise(children, paths, progress)
+    except (KeyboardInterrupt, Terminated) as interruption:
+        name = str(interruption) or "SIGINT"
+        for signum in (signal.SIGINT, *previous):  # a second signal must not cut the shutdown short
+            signal.signal(signum, signal.SIG_IGN)
+        _say(f"\ninterrupted by {name}: stopping the generator and trainer processes (the trainer checkpoints first)")
+        stop(children)
+        done = paths.latest_checkpoint()
+        _say(f"checkpoint after {done} steps; continue with: rltools resume {paths.root}" if done else
+             f"no checkpoint yet; start again with: rltools resume {paths.root}")
+        return EXIT_CODES[name]
     finally:
+        stop(children)  # a no-op after a normal end; after an error in the launcher itself, the safety net
         record_exits(children, paths, attempt)
-        paths.local_pid_file.unlink(missing_ok=True)
+        for signum, handler in {signal.SIGINT: signal.default_int_handler, **previous}.items():
+            signal.signal(signum, handler)
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated(signal.Signals(signum).name)
 
 
 def _supervise(children: list[dict], paths: RunPaths, progress: Progress) -> int:
-    try:
-        while True:
-            progress.update()
-            failed = [c for c in children if c["proc"].poll() not in (None, 0)]
-            if failed:
-                stop(children)
-                child = failed[0]
-                print(f"\n{child['name']} failed (exit {child['proc'].returncode}); its log {child['log']}:", file=sys.stderr)
-                print(_tail(child["log"]), file=sys.stderr)
-                return 1
-            if all(c["proc"].poll() == 0 for c in children):
+    while True:
+        progress.update()
+        ended = [c for c in children if c["proc"].poll() not in (None, 0)]
+        if ended:
+            stop(children)
+            child = ended[0]
+            if child["role"] == "trainer" and child["proc"].returncode == EXIT_STOPPED:
                 progress.update()
-                progress.finish()
-                return 0
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping generator and trainer processes", file=sys.stderr)
-        stop(children)
-        if paths.latest_checkpoint():
-            print(f"checkpoint after {paths.latest_checkpoint()} steps; continue with: rltools resume {paths.root}",
-                  file=sys.stderr)
-        return 130
+                done = paths.latest_checkpoint()
+                when = f"with a checkpoint of {done} steps" if done else "before its first step"
+                _say(f"\nthe trainer stopped on a signal {when}; continue with: rltools resume {paths.root}")
+                return EXIT_STOPPED
+            _say(f"\n{child['name']} failed (exit {child['proc'].returncode}); its log {child['log']}:")
+            _say(_tail(child["log"]))
+            _say(_disk_note(paths))
+            return 1
+        if all(c["proc"].poll() == 0 for c in children):
+            progress.update()
+            progress.finish()
+            return 0
+        time.sleep(0.5)
 
 
 def record_exits(children: list[dict], paths: RunPaths, attempt: int) -> None:
@@ -62,11 +91,14 @@ def record_exits(children: list[dict], paths: RunPaths, attempt: int) -> None:
     for role in {child["role"] for child in children}:
         codes = [child["proc"].returncode for child in children if child["role"] == role]
         code = next((c for c in codes if c), 0) if None not in codes else 1
-        paths.component_exit(attempt, role).write_text(f"{code}\n")
+        try:
+            paths.component_exit(attempt, role).write_text(f"{code}\n")
+        except OSError as err:  # a full disk: `status` then knows less, the run itself lost nothing
+            _say(f"could not record the {role}s' exit status ({err.strerror}): `rltools status` may say UNKNOWN")
 
 
-def start_children(config: RLConfig, paths: RunPaths, attempt: int) -> list[dict]:
-    children = []
+def start_children(config: RLConfig, paths: RunPaths, attempt: int, lock: RunLock, children: list[dict]) -> None:
+    parent = os.getpid()
     for component in plan(config):
         ntasks = component.resources.ntasks
         for rank in range(ntasks):
@@ -81,22 +113,60 @@ def start_children(config: RLConfig, paths: RunPaths, attempt: int) -> list[dict
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the children
+                    pass_fds=(lock.fd,),  # the run stays locked until its last process has ended
+                    preexec_fn=lambda: _die_with(parent),
                 )
             children.append({"name": f"{component.role} {rank}", "role": component.role, "proc": proc, "log": log})
-    return children
+
+
+def _die_with(parent: int) -> None:
+    """In the child before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
 
 
 def stop(children: list[dict]) -> None:
+    """SIGTERM every running child (its whole process group), SIGKILL those still alive after the grace."""
     for child in children:
         if child["proc"].poll() is None:
-            os.killpg(child["proc"].pid, signal.SIGTERM)
+            _signal_group(child["proc"], signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for child in children:
         try:
             child["proc"].wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(child["proc"].pid, signal.SIGKILL)
+            _signal_group(child["proc"], signal.SIGKILL)
             child["proc"].wait()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _say(text: str) -> None:
+    """A line for the user on stderr; a closed terminal (SIGHUP) must not stop the shutdown."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _disk_note(paths: RunPaths) -> str:
+    """A full run directory also cuts the roles' own logs short: say so, whatever the log shows."""
+    try:
+        stat = os.statvfs(paths.root)
+    except OSError:
+        return ""
+    free = stat.f_bavail * stat.f_frsize
+    if free >= LOW_DISK_BYTES:
+        return ""
+    return (f"the filesystem of {paths.root} is full ({free // 1024} KiB free): free space there, then "
+            f"`rltools resume {paths.root}` continues from the last checkpoint")
 
 
 def _tail(path, lines: int = 30) -> str:

@@ -68,6 +68,7 @@ def render_sbatch(
         log_root=paths.relative(paths.log_dir),
         attempt_log_dir=paths.relative(paths.attempt_log_dir("$attempt")),  # the script numbers its starts
         job_id_file=paths.relative(paths.job_id_file),
+        lock_file=paths.relative(paths.lock_file),
     )
 
 

@@ -33,6 +33,7 @@ from ..config.schema import RLConfig
 from ..errors import UserError
 from ..paths import ROLES, RunPaths
 from .plan import GENERATOR_GROUP, TRAINER_GROUP
+from .run_lock import RunInUse
 from .sbatch import render_sbatch
 
 COMPONENTS = {GENERATOR_GROUP: "generators", TRAINER_GROUP: "trainers"}
@@ -46,14 +47,7 @@ FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAI
 def submit_job(config: RLConfig, paths: RunPaths) -> "SqueueJob":
     """Submit the run's hetjob; its id is written to the run directory for status/logs/cancel."""
     _require_sbatch("or run on this machine with cluster.launcher: local (--set cluster.launcher=local)")
-    if paths.job_id_file.exists():
-        old = paths.job_id_file.read_text().strip()
-        state = job_state(old)["state"]
-        if state in ACTIVE:
-            raise UserError(
-                f"run directory {paths.root} already has job {old} ({state}): follow it with "
-                f"`rltools status {paths.root}`, stop it with `rltools cancel {paths.root}`, or set another run.dir"
-            )
+    refuse_if_active(paths)
     executor = HetJobExecutor(config, paths)
     from jobs.common import run_submitted
 
@@ -63,6 +57,20 @@ def submit_job(config: RLConfig, paths: RunPaths) -> "SqueueJob":
         raise UserError(f"sbatch refused the job: {err}") from None
     paths.job_id_file.write_text(f"{job.job_id}\n")
     return job
+
+
+def refuse_if_active(paths: RunPaths) -> None:
+    """RunInUse while the run's Slurm job is queued, running or requeued: between two attempts of a
+    requeued job nothing holds the run's lock, but the job still owns the directory."""
+    if not paths.job_id_file.exists():
+        return
+    job_id = paths.job_id_file.read_text().strip()
+    state = job_state(job_id)["state"]
+    if state in ACTIVE:
+        raise RunInUse(
+            f"run directory {paths.root} is in use by Slurm job {job_id} ({state}): follow it with "
+            f"`rltools status {paths.root}`, stop it with `rltools cancel {paths.root}`, or set another run.dir"
+        )
 
 
 class SqueueWatcher(core.InfoWatcher):

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import xxhash
 
-from ..durable import fsync_path
+from ..durable import fsync_path, naming
 from .batch import RolloutBatch
 
 SCHEMA_VERSION = 1
@@ -34,7 +34,7 @@ class ShardError(RuntimeError):
 def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank: int) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with h5py.File(tmp, "w") as f:
+        with naming(tmp), h5py.File(tmp, "w") as f:
             f.attrs.update(
                 schema_version=SCHEMA_VERSION,
                 run_id=run_id,
@@ -58,12 +58,6 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
         raise
 
 
-def shard_policy_version(path: Path) -> int:
-    """The policy version a shard was generated with (its attributes only, not its data)."""
-    with h5py.File(path, "r") as f:
-        return int(f.attrs["policy_version"])
-
-
 def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch:
     try:
         with h5py.File(path, "r") as f:
@@ -76,7 +70,8 @@ def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch
             policy_version, sample_count = int(f.attrs["policy_version"]), int(f.attrs["sample_count"])
             seconds = float(f.attrs.get("generation_seconds", 0.0))
     except (OSError, KeyError) as err:
-        raise ShardError(f"{path}: not a readable rollout shard ({err})") from err
+        raise ShardError(f"{path}: not a readable rollout shard ({err}); `rltools resume` of the run deletes it and "
+                         "its generator writes it again") from err
     try:
         batch = RolloutBatch(**arrays, policy_version=policy_version, texts=texts, generation_seconds=seconds)
     except ValueError as err:
@@ -117,7 +112,7 @@ def _read_checked(path: Path, f: h5py.File, name: str) -> np.ndarray:
     if stored != computed:
         raise ShardError(
             f"{path}: dataset {name} fails its checksum (stored {stored:016x}, computed {computed:016x}): "
-            "the file is corrupt; delete it so its generator rank rewrites it"
+            "the file is corrupt; `rltools resume` of the run deletes it and its generator writes it again"
         )
     return array
 

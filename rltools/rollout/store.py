@@ -7,6 +7,7 @@ Invariants:
 - Retention never deletes a step before it is both consumed and covered by a checkpoint.
 """
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ from typing import Sequence
 
 from ..paths import RunPaths
 from .batch import RolloutBatch
-from .shard import read_shard, shard_policy_version, write_shard
+from .shard import ShardError, read_shard, write_shard
+
+log = logging.getLogger("rltools.rollout")
 
 FIRST_POLL_S = 0.02
 MAX_POLL_S = 2.0
@@ -77,19 +80,26 @@ class RolloutStore:
         that the resumed run may not train on, and return them.
 
         Step k's shard of policy version v is kept only if v is a version the resumed run has (v <=
-        resumed_at; later versions came from training that the checkpoint does not contain) and
-        within the staleness bound (k - v <= max_staleness). Kept shards are not generated again.
+        resumed_at; later versions came from training that the checkpoint does not contain), within
+        the staleness bound (k - v <= max_staleness), and whole: a shard that fails its checks
+        (truncated, a flipped byte, another run's) is deleted with a warning, and its generator
+        writes it again. Kept shards are not generated again.
         """
         discarded = []
         for step, directory in sorted(self.paths.rollout_steps().items()):
             if step < resumed_at:
                 continue  # trained on before the checkpoint; retention deletes them
             for shard in sorted(directory.iterdir()):
-                if RunPaths.shard_rank(shard.name) is None:
+                rank = RunPaths.shard_rank(shard.name)
+                if rank is None:
                     shard.unlink()  # a temporary left by a writer that was killed
                     continue
-                version = shard_policy_version(shard)
-                if not (step - max_staleness <= version <= resumed_at):
+                try:
+                    version = read_shard(shard, run_id=self.run_id, step=step, rank=rank).policy_version
+                except ShardError as err:
+                    log.warning("deleted a damaged rollout shard, its generator writes it again: %s", err)
+                    version = None
+                if version is None or not (step - max_staleness <= version <= resumed_at):
                     shard.unlink()
                     discarded.append(shard)
         return discarded

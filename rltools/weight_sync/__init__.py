@@ -5,7 +5,7 @@ moves named tensors over it (`rltools bench weights` measures it against a plain
 """
 
 from .channel import StaleVersionError, TensorStream, Transfer, WeightReceiver, WeightSender
-from .rendezvous import SyncGroup, SyncOptions, WeightSyncError, host_group, join_group
+from .rendezvous import SyncGroup, SyncOptions, WeightSyncError, bound_store, host_group, join_group
 
 __all__ = [
     "StaleVersionError",
@@ -16,6 +16,7 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
+    "bound_store",
     "host_group",
     "join_group",
 ]

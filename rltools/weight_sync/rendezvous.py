@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -92,8 +93,7 @@ def host_group(paths: RunPaths, *, world_size: int, address: str, attempt: int |
     _check(options, world_size)
     deadline = time.monotonic() + options.join_timeout_s
     secret = _read_secret(paths)
-    store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=options.join_timeout_s))
+    store = bound_store(address, timedelta(seconds=options.join_timeout_s))
     nonce = secrets.token_hex(16)
     store.set("nonce", nonce)  # before the address is published: joiners read it straight away
     publish_address(paths.sync_address, address, store.port, attempt)
@@ -135,6 +135,28 @@ def join_group(paths: RunPaths, *, rank: int, world_size: int, attempt: int | st
         raise WeightSyncError(f"weight-sync: trainer rank 0 refused this process (sync rank {rank}): {why}")
     group_key = _unseal(answer, secret, nonce, token, where)
     return _form(store, group_key, rank, world_size, options, deadline, device)
+
+
+def bound_store(address: str, timeout: timedelta):
+    """A TCPStore server listening on `address` only, on a free port (`store.port`).
+
+    TCPStore alone listens on every interface whatever host it is given; a socket bound here and
+    handed over keeps it off the interfaces nobody was told about (on a login-free compute node that
+    still matters: other users' jobs share the nodes)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, 0))
+        listener.listen(512)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store serves on this descriptor now: Python must not close it
+    return store
 
 
 # -- host side ----------------------------------------------------------------------------------

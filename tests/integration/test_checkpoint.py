@@ -1,11 +1,13 @@
 """Checkpoints on the real tiny model: exact resume, resharding across trainer ranks, crash safety."""
 
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from rltools import checkpoint
@@ -13,6 +15,7 @@ from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
 from rltools.paths import RunPaths
 from rltools.train.model import export_adapter, load_policy
 from rltools.train.trainer import Trainer
+from tests.spawn import spawn
 
 from .adam_bound import adapter_atol, condition
 from .test_trainer import LORA, synthetic_batch
@@ -77,12 +80,11 @@ def _save_sharded(rank: int, world: int, model_path: str, port: int, run_dir: st
 
 
 def test_a_checkpoint_of_two_fsdp_ranks_resumes_on_one(tiny_model, tmp_path):
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_save_sharded, args=(2, str(tiny_model), port, str(tmp_path)), nprocs=2)
+    spawn(_save_sharded, args=(2, str(tiny_model), port, str(tmp_path)), nprocs=2)
     paths = RunPaths(tmp_path)
     assert list(paths.valid_checkpoints()) == [1]
     model, trainer = make_trainer(tiny_model)
@@ -146,3 +148,72 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
     assert checkpoint.clean_incomplete(paths) == [paths.checkpoint_tmp(2)]
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
     assert checkpoint.load(paths, 1, model, torch.optim.AdamW(model.parameters()), rank=0)["step"] == 1
+
+
+def _damage(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flip":  # 64 bytes in the middle of the tensor data
+        middle = len(data) // 2
+        data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 3]))
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how,problem", [("flip", "fails its checksum"), ("truncate", r"has \d+ bytes, \d+ were written"),
+                                         ("delete", "is missing")])
+def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(tiny_model, tmp_path, how, problem):
+    """Flipped bytes loaded silently before (reward 0 for every later step), and a truncated file made
+    every resume fail with a DCP error naming no file."""
+    paths = RunPaths(tmp_path)
+    model, trainer = make_trainer(tiny_model)
+    for step in (1, 2):
+        trainer.step(synthetic_batch(seed=step))
+        checkpoint.save(paths, step, model, trainer.optimizer, rank=0, keep=2)
+    saved = adapter(model)
+    _damage(next(paths.checkpoint_dir(2).glob("*.distcp")), how)
+    assert checkpoint.verify(paths.checkpoint_dir(1)) == []
+
+    start, notes = checkpoint.resume_point(paths)
+    assert start == 1 and paths.latest_checkpoint() == 1
+    assert len(notes) == 1 and re.search(rf"checkpoint {paths.checkpoint_dir(2)} is damaged \(__0_0.distcp {problem}", notes[0])
+    rejected = list(paths.rejected_checkpoints.iterdir())
+    assert [p.name.split(".")[0] for p in rejected] == ["step_2"] and str(rejected[0]) in notes[0]  # kept aside
+    model, trainer = make_trainer(tiny_model)
+    checkpoint.load(paths, 1, model, trainer.optimizer, rank=0)
+    assert any(not torch.equal(t, saved[n]) for n, t in adapter(model).items())  # step 1's adapters, not step 2's
+    checkpoint.save(paths, 2, model, trainer.optimizer, rank=0, keep=1)
+    assert list(paths.valid_checkpoints()) == [2] and checkpoint.verify(paths.checkpoint_dir(2)) == []
+
+
+def test_a_checkpoint_that_fails_to_load_names_itself(tiny_model, tmp_path):
+    """A checkpoint from before checksums (nothing to verify) that DCP cannot read: the error names
+    the directory and what to do, instead of a bare stream error."""
+    paths = RunPaths(tmp_path)
+    model, trainer = make_trainer(tiny_model)
+    checkpoint.save(paths, 1, model, trainer.optimizer, rank=0, keep=2)
+    (paths.checkpoint_dir(1) / checkpoint.MANIFEST).unlink()
+    _damage(next(paths.checkpoint_dir(1).glob("*.distcp")), "truncate")
+    assert checkpoint.resume_point(paths) == (1, [])  # unverifiable: tried
+    with pytest.raises(RuntimeError, match=rf"loading checkpoint {paths.checkpoint_dir(1)} failed .*move it into "):
+        checkpoint.load(paths, 1, model, trainer.optimizer, rank=0)
+
+
+def test_a_full_disk_fails_the_save_naming_it_and_keeps_the_previous_checkpoint(tiny_model, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): no filesystem to fill")
+    try:
+        paths = RunPaths(disk)
+        model, trainer = make_trainer(tiny_model)
+        checkpoint.save(paths, 1, model, trainer.optimizer, rank=0, keep=2)
+        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=64k"], capture_output=True)
+        with pytest.raises(OSError, match=rf"No space left on device \(writing checkpoint {paths.checkpoint_tmp(2)}\)"):
+            checkpoint.save(paths, 2, model, trainer.optimizer, rank=0, keep=2)
+        assert not paths.checkpoint_tmp(2).exists(), "the half-written checkpoint gives its space back"
+        assert list(paths.valid_checkpoints()) == [1] and checkpoint.verify(paths.checkpoint_dir(1)) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])

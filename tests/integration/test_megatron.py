@@ -17,6 +17,7 @@ import torch
 from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
 from rltools.paths import RunPaths
 from rltools.train.model import export_adapter, load_policy
+from tests.spawn import spawn
 
 from .adam_bound import adapter_atol, assert_runs_agree, condition
 from .test_trainer import LORA, _train_one_step, synthetic_batch
@@ -110,13 +111,12 @@ def _logits(policy) -> torch.Tensor:
 
 
 def _spawn(world: int, model_path, run_dir, mode: str, tp: int | None = None, pp: int = 1) -> dict:
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     tp = tp or world // pp
-    mp.spawn(_worker, args=(world, port, str(model_path), str(run_dir), mode, tp, pp), nprocs=world)
+    spawn(_worker, args=(world, port, str(model_path), str(run_dir), mode, tp, pp), nprocs=world)
     return torch.load(f"{run_dir}/{mode}_{world}_tp{tp}_pp{pp}.pt", weights_only=False)
 
 

@@ -16,6 +16,7 @@ from rltools.quant.linear import NVFP4Linear
 from rltools.quant.serving import served_checkpoint
 from rltools.train.model import export_adapter, export_weights, load_policy
 from rltools.train.trainer import Trainer
+from tests.spawn import spawn
 
 from .adam_bound import assert_runs_agree
 from .test_trainer import LORA, _train_one_step, logprob_gap, synthetic_batch, vllm_samples
@@ -59,13 +60,12 @@ def test_lora_gradients_flow_only_into_adapters(tiny_model):
 
 
 def test_fsdp2_two_ranks_match_one_rank_on_an_nvfp4_base(tiny_model, tmp_path):
-    import torch.multiprocessing as mp
 
     _train_one_step(0, 1, str(tiny_model), 0, str(tmp_path / "single.pt"), "nvfp4")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_train_one_step, args=(2, str(tiny_model), port, str(tmp_path / "fsdp.pt"), "nvfp4"), nprocs=2)
+    spawn(_train_one_step, args=(2, str(tiny_model), port, str(tmp_path / "fsdp.pt"), "nvfp4"), nprocs=2)
     single, sharded = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "fsdp.pt")
     for a, b in zip(single["metrics"], sharded["metrics"]):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)

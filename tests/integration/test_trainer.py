@@ -9,6 +9,7 @@ from rltools.rollout import FinishReason, RolloutBatch, Sample
 from rltools.train.logprobs import completion_logprobs, pack
 from rltools.train.model import export_adapter, export_weights, load_policy
 from rltools.train.trainer import Trainer
+from tests.spawn import spawn
 
 from .adam_bound import assert_runs_agree, condition
 
@@ -131,13 +132,11 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str,
 def test_fsdp2_two_ranks_match_one_rank(tiny_model, tmp_path):
     import socket
 
-    import torch.multiprocessing as mp
-
     _train_one_step(0, 1, str(tiny_model), 0, str(tmp_path / "single.pt"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_train_one_step, args=(2, str(tiny_model), port, str(tmp_path / "fsdp.pt")), nprocs=2)
+    spawn(_train_one_step, args=(2, str(tiny_model), port, str(tmp_path / "fsdp.pt")), nprocs=2)
     single, sharded = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "fsdp.pt")
     for a, b in zip(single["metrics"], sharded["metrics"]):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
@@ -212,13 +211,11 @@ def test_gradient_checkpointing_with_fsdp2_on_an_nvfp4_base(tiny_model, tmp_path
     rank that keeps its activations."""
     import socket
 
-    import torch.multiprocessing as mp
-
     _train_one_step(0, 1, str(tiny_model), 0, str(tmp_path / "plain.pt"), "nvfp4")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_train_one_step, args=(2, str(tiny_model), port, str(tmp_path / "fsdp.pt"), "nvfp4", True), nprocs=2)
+    spawn(_train_one_step, args=(2, str(tiny_model), port, str(tmp_path / "fsdp.pt"), "nvfp4", True), nprocs=2)
     plain, sharded = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "fsdp.pt")
     # FSDP2 itself reorders the gradient sums (reduce-scatter): its own test's bounds (adam_bound.py)
     for a, b in zip(plain["metrics"], sharded["metrics"], strict=True):

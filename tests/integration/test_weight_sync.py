@@ -304,3 +304,23 @@ def test_a_stream_that_breaks_mid_message_leaves_the_group_unusable(tmp_path):
         sender.broadcast(short, 1)
     with pytest.raises(WeightSyncError, match="unusable after an earlier failure.*stopped mid-message"):
         sender.broadcast({"a": torch.zeros(2)}, 2)
+
+
+def test_the_weight_sync_store_listens_only_on_the_address_it_publishes(tmp_path):
+    """TCPStore alone listens on every interface (*:PORT) whatever host it is given."""
+    import threading
+
+    import psutil
+
+    paths = run_dir(tmp_path)
+    errors = []
+    host = threading.Thread(target=lambda: errors.append(pytest.raises(WeightSyncError, host_group, paths, world_size=2,
+                                                                       address="127.0.0.1",
+                                                                       options=SyncOptions(join_timeout_s=3.0))))
+    host.start()
+    wait_for_file(paths.sync_address)
+    port = json.loads(paths.sync_address.read_text())["port"]
+    listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+    host.join()
+    assert listening == {"127.0.0.1"}
+    assert errors  # the join deadline passed, as expected with no generator

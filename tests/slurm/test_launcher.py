@@ -21,20 +21,19 @@ def status(run_dir) -> dict:
     return json.loads(result.stdout)
 
 
-def test_submitted_demo_learns_across_two_nodes(slurm, repo, tmp_path):
+def test_submitted_demo_runs_across_two_nodes(slurm, repo, tmp_path):
+    """The demo as one hetjob (that it learns is tests/integration/test_local_launcher.py's: the same
+    code, seed and numbers), then the commands that follow a run."""
     run_dir = tmp_path / "run"
-    result = submit(repo, run_dir, "schedule.steps=150", "schedule.eval_every=150")
+    result = submit(repo, run_dir, "schedule.steps=30", "schedule.eval_every=30", "eval.problems=64")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out avg@8:" in result.stderr and "COMPLETED" in result.stderr
 
     s = status(run_dir)
-    assert (s["state"], s["step"], s["total_steps"], s["restarts"]) == ("COMPLETED", 150, 150, 0)
+    assert (s["state"], s["step"], s["total_steps"], s["restarts"]) == ("COMPLETED", 30, 30, 0)
     nodes = {name: c["nodes"] for name, c in s["components"].items()}
     assert set(nodes) == {"generators", "trainers"} and nodes["generators"] != nodes["trainers"], nodes
-    # the same learning signal as the local run (tests/integration/test_local_launcher.py)
-    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sum(rewards[-50:]) > sum(rewards[:50]), rewards
-    assert s["evals"]["150"] > s["evals"]["0"] + 0.015, s["evals"]
+    assert set(s["evals"]) == {"0", "30"} and s["last_metrics"]["step"] == 29, s
 
     # submitit's side: each task's return value is pickled in its component's folder
     job = SqueueJob(folder=RunPaths(run_dir).submitit_dir("trainer"), job_id=s["job_id"], tasks=[0])
@@ -48,8 +47,8 @@ def test_submitted_demo_learns_across_two_nodes(slurm, repo, tmp_path):
     evaluated = cli("eval", run_dir, "--checkpoint", "latest", "--json")
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert "submitted eval job" in evaluated.stderr
-    result, recorded = json.loads(evaluated.stdout), json.loads((run_dir / "eval/step_150.json").read_text())
-    assert (result["step"], result["avg_at_k"], result["stderr"]) == (150, recorded["avg_at_k"], recorded["stderr"])
+    result, recorded = json.loads(evaluated.stdout), json.loads((run_dir / "eval/step_30.json").read_text())
+    assert (result["step"], result["avg_at_k"], result["stderr"]) == (30, recorded["avg_at_k"], recorded["stderr"])
 
     png = tmp_path / "run.png"
     plotted = cli("plot", run_dir, "-o", png)

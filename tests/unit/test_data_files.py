@@ -96,7 +96,7 @@ def test_file_task_steps_are_a_pure_function_of_the_step(tmp_path):
     assert [again.train_problems(step, 2) for step in reversed(range(5))] == steps[::-1]
     first_epoch = [p.answer for s in steps[:2] for p in s] + [steps[2][0].answer]
     assert sorted(first_epoch) == [1, 18, 25, 42, 400]  # every problem once per epoch
-    assert task.cursor_after(4, 2) == Cursor(2, 0)
+    assert task.order.cursor_at(5, 2) == Cursor(2, 0)  # after step 4: two whole epochs, from the step alone
     assert task.eval_problems(3) == task.eval[:3] and [p.answer for p in task.eval] == [25, 1, 42, 18, 400]
     assert task.reward.score(["so \\boxed{025}."], [25]) == [1.0]
 

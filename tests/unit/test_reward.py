@@ -34,7 +34,7 @@ def test_integer_verifiers_give_a_verdict_quickly_on_hostile_text(text):
     start = time.perf_counter()
     for verifier in (boxed_integer, answer_line_integer):
         assert verifier(text, 7) in (0.0, 1.0)
-    assert time.perf_counter() - start < 0.05
+    assert time.perf_counter() - start < 0.5  # milliseconds here; backtracking would take seconds or hours
 
 
 def test_the_last_balanced_box_wins():
@@ -101,7 +101,9 @@ def test_integer_verifiers_cost_microseconds():
     scores = reward.score(texts, list(range(1000)))
     per_call = (time.perf_counter() - start) / len(texts)
     assert scores == [1.0] * 1000
-    assert per_call < 200e-6, f"{per_call * 1e6:.1f} us a call"
+    # A guard against a super-linear regression (a backtracking regex: milliseconds to seconds a call),
+    # not a benchmark: ~14 us here quiet, 232 us seen with both cores busy, so 2 ms holds on any host.
+    assert per_call < 2e-3, f"{per_call * 1e6:.1f} us a call"
 
 
 def test_pool_survives_hangs_errors_crashes_and_junk():

@@ -212,3 +212,26 @@ def test_a_resume_keeps_only_shards_of_versions_the_checkpoint_has(store):
     for (step, rank, _), kept in shards.items():
         assert store.paths.rollout_shard(step, rank).exists() == kept
     assert not stray.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_resume_deletes_damaged_shards_so_they_are_written_again(store, damage, caplog):
+    """A truncated shard crashed the resume itself (a traceback naming no file); a flipped byte was
+    kept and then failed the trainer on every resume. Both are now deleted, named, and regenerated."""
+    rng = np.random.default_rng(6)
+    good = store.write(10, 0, random_batch(rng, version=10))
+    bad = store.write(10, 1, random_batch(rng, version=10))
+    if damage == "truncate":
+        os.truncate(bad, bad.stat().st_size // 2)
+    else:
+        with h5py.File(bad, "r") as f:
+            offset = f["completion_ids"].id.get_offset()
+        with open(bad, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level("WARNING", logger="rltools.rollout"):
+        assert store.discard_unusable(resumed_at=10, max_staleness=1) == [bad]
+    assert good.exists() and not bad.exists()
+    assert f"deleted a damaged rollout shard, its generator writes it again: {bad}" in caplog.text

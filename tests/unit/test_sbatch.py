@@ -149,14 +149,15 @@ def stub_srun(tmp_path):
 
 @pytest.mark.parametrize("key,kind", string_fields())
 @pytest.mark.parametrize("payload", PAYLOADS, ids=range(len(PAYLOADS)))
-def test_hostile_string_never_executes(tmp_path, stub_srun, monkeypatch, capsys, key, kind, payload):
+def test_hostile_string_never_executes(repo, tmp_path, stub_srun, monkeypatch, capsys, key, kind, payload):
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
     value = {"str": payload, "list": [payload], "dict-value": {"HOSTILE": payload}, "dict-key": {payload: "v"}}[kind]
     if key == "run.dir":
         value = f"{work}/{payload}"
-    raw = {"run": {"name": "t", "dir": str(work / "run")}, "model": {"path": str(work)}, "cluster": {"launcher": "slurm"}}
+    model = repo / "rltools" / "assets" / "tiny-arith"  # render checks that the model directory is one
+    raw = {"run": {"name": "t", "dir": str(work / "run")}, "model": {"path": str(model)}, "cluster": {"launcher": "slurm"}}
     set_nested(raw, key, value)
     config_file = work / "hostile.yaml"
     config_file.write_text(yaml.safe_dump(raw))

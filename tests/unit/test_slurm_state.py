@@ -7,6 +7,7 @@ import pytest
 
 from rltools.config import load_config
 from rltools.launch.run_dir import prepare_run_dir
+from rltools.launch.run_lock import RunLock
 from rltools.launch.sbatch import render_sbatch
 from rltools.launch.slurm import _components, minutes, overall_state
 from rltools.monitor import format_status, run_status
@@ -68,9 +69,8 @@ def test_status_of_local_runs_from_the_exit_files_the_launcher_writes(repo, tmp_
     lines = [{"step": s, "reward_mean": 0.1, "accuracy": 0.1, "time": 10.0 + s} for s in range(2)]
     paths.metrics.write_text("".join(json.dumps(m) + "\n" for m in lines))
     paths.attempt_log_dir(0).mkdir(parents=True)
-    paths.local_pid_file.write_text(f"{os.getpid()}\n")  # a live launcher
-    assert run_status(paths)["state"] == "RUNNING"
-    paths.local_pid_file.unlink()
+    with RunLock.acquire(paths, by="a local launcher"):  # a live launcher holds the run's lock
+        assert run_status(paths)["state"] == "RUNNING"
     for role, code in (("generator", 0), ("trainer", 3)):
         paths.component_exit(0, role).write_text(f"{code}\n")
     stopped = run_status(paths)

@@ -1,0 +1,85 @@
+"""Publishing policy versions from the trainers: the weight-sync broadcast and the policy exports.
+
+Invariant: every trainer rank takes part in each export (under FSDP2 or Megatron gathering the
+weights is a collective of the trainers); only trainer rank 0 hosts the weight-sync group, sends,
+and writes a policy export while the tensors pass. A broadcast that fails because the generators
+left on a stop signal is not an error: the checkpoint written next holds that version.
+"""
+
+import logging
+import socket
+from pathlib import Path
+
+from .. import faults
+from ..eval.checkpoints import PolicyWriter
+from ..launch.role_env import RoleEnv
+from ..paths import RunPaths
+from ..preempt import StopFlag
+from ..roles import sync_backend, sync_world_size
+from ..weight_sync import TensorStream, WeightSyncError
+from .backend import Backend
+
+log = logging.getLogger("rltools.trainer")
+
+
+class Publisher:
+    def __init__(self, env: RoleEnv, paths: RunPaths, config, backend: Backend, stop: StopFlag):
+        self.env, self.config, self.backend, self.stop = env, config, backend, stop
+        self.kind = config.generator.weight_sync
+        self.lora_scale = config.lora.alpha / config.lora.rank if config.lora.enabled else None
+        # Generators join only now (after the resume): they never see shards or checkpoints in flux.
+        self.sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
+
+    def send(self, version: int, export_to: Path | None = None) -> None:
+        """Broadcast `version`'s weights (collective over the trainer ranks); with `export_to`, rank 0
+        also writes them there as a policy export while they pass."""
+        faults.point("trainer.sync", version)
+        model = self.backend.model
+        weights = (self.backend.export_adapter(model) if self.kind == "lora"
+                   else self.backend.export_weights(model, self.lora_scale))
+        writer = None
+        if export_to is not None and self.env.rank == 0:
+            writer = PolicyWriter(export_to, self.kind, self.config.model.path, self.config.lora, version)
+            weights = _tee(weights, writer.add)
+        if self.sender is None:
+            for _ in weights:
+                pass
+        else:
+            try:
+                self.sender.broadcast(weights, version=version, kind=self.kind)
+            except WeightSyncError:
+                if not self.stop.requested:
+                    raise
+                # SIGTERM reached the generators too and they left mid-broadcast; the checkpoint about
+                # to be written holds this version, and they receive it from there when the run resumes.
+                log.warning("generators left during the broadcast of version %d: stopping", version)
+                for _ in weights:  # finish the export: under FSDP2 it is a collective of the trainers
+                    pass
+        if writer is not None:
+            writer.close()
+
+
+def host_weight_sync(env: RoleEnv, paths: RunPaths, config):
+    from ..weight_sync import SyncOptions, WeightSender, host_group
+
+    timeout = config.generator.sync_timeout_s
+    options = SyncOptions(backend=sync_backend(), join_timeout_s=timeout, collective_timeout_s=timeout)
+    group = host_group(
+        paths,
+        world_size=sync_world_size(config),
+        address=socket.gethostbyname(env.trainer_host),
+        attempt=env.attempt,
+        options=options,
+    )
+    return WeightSender(group)
+
+
+def _tee(weights, add):
+    """`weights` (a TensorStream keeps its specs) with `add(name, tensor)` called on each as it passes."""
+
+    def passing():
+        for name, tensor in weights:
+            add(name, tensor)
+            yield name, tensor
+
+    return TensorStream(weights.specs, passing()) if isinstance(weights, TensorStream) else passing()

@@ -1,0 +1,70 @@
+"""What `submit` checks before it launches anything: the model directory, the data files, a writable
+run directory. Each bad input ends in exit code 2 and a message naming the file, before any role
+starts or the run directory is created."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from rltools.cli import main
+from tests.unit.aime_fixture import PROBLEMS, write_jsonl
+
+
+def submit(repo, tmp_path, *overrides) -> int:
+    argv = ["submit", str(repo / "configs" / "demo.yaml"), "--set", f"run.dir={tmp_path / 'run'}"]
+    for override in overrides:
+        argv += ["--set", override]
+    return main(argv)
+
+
+def model_copy(repo, tmp_path, drop: tuple[str, ...] = ()):
+    model = tmp_path / "model"
+    shutil.copytree(repo / "rltools" / "assets" / "tiny-arith", model)
+    for name in drop:
+        (model / name).unlink()
+    return model
+
+
+@pytest.mark.parametrize("drop,message", [
+    (("config.json",), "has no config.json: not a Hugging Face model directory"),
+    (("model.safetensors",), "holds no weights"),
+    (("tokenizer.json",), "has no tokenizer"),
+])
+def test_an_incomplete_model_directory_is_refused_naming_what_is_missing(repo, tmp_path, capsys, drop, message):
+    model = model_copy(repo, tmp_path, drop)
+    assert submit(repo, tmp_path, f"model.path={model}") == 2
+    err = capsys.readouterr().err
+    assert f"model.path {model}" in err and message in err, err
+    assert not (tmp_path / "run").exists(), "nothing is created for a job that cannot start"
+
+
+def test_an_empty_model_directory_is_refused(repo, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert submit(repo, tmp_path, f"model.path={tmp_path / 'empty'}") == 2
+    assert "has no config.json" in capsys.readouterr().err  # not a sentencepiece error after the job started
+
+
+def test_a_bad_data_file_stops_the_launch_naming_its_line(repo, tmp_path, capsys):
+    good, bad = tmp_path / "eval.jsonl", tmp_path / "train.jsonl"
+    write_jsonl(good)
+    bad.write_bytes(json.dumps(PROBLEMS[0]).encode() + b"\n" + b'{"problem": "caf\xe9", "answer": 1}\n')  # Latin-1
+    files = ["data.type=jsonl", f"data.train_path={bad}", f"data.eval_path={good}", "reward.type=boxed_integer"]
+    assert submit(repo, tmp_path, *files) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: not UTF-8 text (byte 0xe9 at column 17)" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_read_only_run_directory_is_a_user_error(repo, tmp_path, capsys):
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root); permissions alone do not stop root")
+    try:
+        assert main(["render", str(repo / "configs" / "demo.yaml"), "--set", f"run.dir={readonly / 'run'}"]) == 2
+    finally:
+        subprocess.run(["umount", str(readonly)])
+    err = capsys.readouterr().err
+    assert f"cannot create the run directory {readonly / 'run'}: Read-only file system" in err, err

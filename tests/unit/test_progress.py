@@ -1,0 +1,49 @@
+"""The launcher's progress display follows metrics.jsonl while a resume rewrites it shorter."""
+
+import json
+
+from rltools.config import load_config
+from rltools.metrics import _keep_lines
+from rltools.monitor import Progress
+from rltools.paths import RunPaths
+
+
+def record(step: int, time: float) -> str:
+    return json.dumps({"step": step, "reward_mean": 0.5, "accuracy": 0.5, "gen_tokens_per_s": 1000.0,
+                       "generation_s": 0.1, "training_s": 0.1, "sync_s": 0.01, "time": time}) + "\n"
+
+
+def shown(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_a_resume_that_rewrites_the_metrics_shows_each_new_step_once(repo, tmp_path, capsys):
+    config = load_config(repo / "configs" / "demo.yaml", [f"run.dir={tmp_path}", "schedule.steps=10"])
+    paths = RunPaths(tmp_path)
+    paths.metrics.write_text("".join(record(s, 100.0 + s) for s in range(8)))  # a crashed run: 8 steps
+    paths.eval_dir.mkdir()
+    paths.eval_result(0).write_text(json.dumps({"k": 8, "avg_at_k": 0.25, "stderr": 0.01, "n_problems": 16}))
+
+    progress = Progress(config, paths)  # the resume's launcher, before its trainer starts
+    progress.update()
+    assert shown(capsys) == [], "history is not shown again"
+
+    _keep_lines(paths.metrics, lambda r: r["step"] < 5)  # the trainer resumes from its checkpoint of 5 steps
+    with open(paths.metrics, "a") as f:
+        f.write(record(5, 200.0) + "not json, a line cut by a crash\n" + record(6, 201.0) + '{"step": 7, "rew')
+    progress.update()
+    assert [line.split(" [")[0] for line in shown(capsys)] == ["step 6/10", "step 7/10"]
+
+    with open(paths.metrics, "a") as f:
+        f.write('ard_mean": 0.5, "accuracy": 0.5, "gen_tokens_per_s": 1.0, "generation_s": 0.1, "training_s": 0.1, '
+                '"sync_s": 0.01, "time": 202.0}\n')
+    paths.eval_result(8).write_text(json.dumps({"k": 8, "avg_at_k": 0.5, "stderr": 0.01, "n_problems": 16}))
+    progress.update()
+    assert [line.split(" [")[0].split(":")[0] for line in shown(capsys)] == ["step 8/10", "eval after 8 steps"]
+
+    _keep_lines(paths.metrics, lambda r: r["step"] < 5)  # restarted again mid-run (a requeue under --wait)
+    with open(paths.metrics, "a") as f:
+        f.write(record(5, 300.0))
+    progress.update()
+    lines = shown(capsys)
+    assert lines[0] == "(the job restarted from its checkpoint after 0 steps)" and lines[1].startswith("step 6/10")
