@@ -26,7 +26,7 @@ from ..paths import RunPaths
 
 log = logging.getLogger("rltools.lock")
 
-ACQUIRE_WAIT_S = 2.0  # rides out a `rltools status` probing the lock at the same moment
+ACQUIRE_WAIT_S = 0.5  # rides out a `rltools status` probing the lock at the same moment (microseconds)
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 

@@ -13,12 +13,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from .conftest import Launch, kill, role_pids, steps, wait_gone
 
-TOTAL = 100
+TOTAL = 120
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def checkpoints(run_dir) -> list[int]:
 
 
 def launch(run, *overrides, env=None) -> Launch:
+    assert len(steps(run["dir"])) + 15 < TOTAL, f"the chain has used up its {TOTAL} steps: raise TOTAL"
     if not (run["dir"] / "config.yaml").exists():
         return Launch.submit(run["repo"], run["dir"], f"schedule.steps={TOTAL}", *overrides, env=env)
     return Launch.resume(run["repo"], run["dir"], env=env)
@@ -70,12 +72,17 @@ def test_resume_after_a_crash_replays_nothing_and_a_second_launch_is_refused(run
     A second launch while it runs is refused before it touches anything."""
     start = checkpoints(run["dir"])[-1]
     resumed = launch(run)
-    resumed.wait_for_output(f"step {start + 2}/{TOTAL}")
+    lock = run["dir"] / "run.lock"
+    deadline = time.monotonic() + 60
+    while f'"pid": {resumed.proc.pid}' not in lock.read_text():  # it holds the lock: its roles are starting
+        assert time.monotonic() < deadline and resumed.proc.poll() is None, resumed.stderr[-2000:]
+        time.sleep(0.05)
     for again in (Launch.resume, lambda repo, run_dir: Launch.submit(repo, run_dir, f"schedule.steps={TOTAL}")):
         second = again(run["repo"], run["dir"])
         assert second.wait(timeout=60) == 2, second.stderr
         assert (f"run directory {run['dir']} is in use by rltools resume (local launcher) (pid {resumed.proc.pid}"
                 in second.stderr), second.stderr
+    resumed.wait_for_output(f"step {start + 2}/{TOTAL}")
     kill(role_pids(run["dir"])["generator"])  # and then the generator dies
     assert resumed.wait() == 1
     assert "generator 0 failed (exit -9)" in resumed.stderr
