@@ -2,8 +2,8 @@
 
 Invariant: the children are started exactly as `srun` would start them (same entry modules, same
 run directory, RoleEnv's local variables instead of SLURM_*), and they never outlive the launcher:
-a failing child, Ctrl-C, SIGTERM, SIGHUP, an error in the launcher itself or a finished run stops
-them all; if the launcher is killed outright (SIGKILL), the kernel sends each child SIGTERM
+a failing child, Ctrl-C, SIGTERM, SIGHUP (unless started under `nohup`), an error in the launcher
+itself or a finished run stops them all; if the launcher is killed outright (SIGKILL), the kernel sends each child SIGTERM
 (PR_SET_PDEATHSIG), which a trainer answers with a checkpoint. The children inherit the run
 directory's lock, so no second launch starts until the last of them has stopped.
 """
@@ -36,7 +36,7 @@ class Terminated(Exception):
 def run_local(config: RLConfig, paths: RunPaths, lock: RunLock, quiet: bool = False) -> int:
     attempt = len(paths.attempts())  # 0 for a fresh run, +1 for each resume (as the Slurm script counts)
     progress = Progress(config, paths, quiet)  # before the children: what they write is new
-    previous = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = trap_stop_signals()
     children: list[dict] = []  # filled as they start: a signal during start-up stops those already running
     try:
         start_children(config, paths, attempt, lock, children)
@@ -44,6 +44,7 @@ def run_local(config: RLConfig, paths: RunPaths, lock: RunLock, quiet: bool = Fa
     except (KeyboardInterrupt, Terminated) as interruption:
         name = str(interruption) or "SIGINT"
         for signum in (signal.SIGINT, *previous):  # a second signal must not cut the shutdown short
+            previous.setdefault(signum, signal.getsignal(signum))
             signal.signal(signum, signal.SIG_IGN)
         _say(f"\ninterrupted by {name}: stopping the generator and trainer processes (the trainer checkpoints first)")
         stop(children)
@@ -54,8 +55,16 @@ def run_local(config: RLConfig, paths: RunPaths, lock: RunLock, quiet: bool = Fa
     finally:
         stop(children)  # a no-op after a normal end; after an error in the launcher itself, the safety net
         record_exits(children, paths, attempt)
-        for signum, handler in {signal.SIGINT: signal.default_int_handler, **previous}.items():
+        for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def trap_stop_signals() -> dict:
+    """SIGTERM and SIGHUP raise Terminated; returns the handlers they had. A signal this process was
+    started ignoring stays ignored: `nohup` (SIGHUP) and `cmd &` in a script (SIGINT) mean to keep
+    the run going."""
+    watched = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN]
+    return {signum: signal.signal(signum, _terminate) for signum in watched}
 
 
 def _terminate(signum, frame) -> None:

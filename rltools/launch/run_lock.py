@@ -107,7 +107,7 @@ def describe(holder: dict) -> str:
 
 
 def in_use_message(paths: RunPaths, holder: dict | None) -> str:
-    who = describe(holder) if holder else "another process (it left no record)"
+    who = describe(holder) if holder else "another process (it left no record: a job starting or ending)"
     message = (f"run directory {paths.root} is in use by {who}. A second job on it would train the same "
                f"steps twice and delete the first one's rollouts. Follow it with `rltools status {paths.root}`")
     if holder and holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):

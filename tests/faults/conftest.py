@@ -28,7 +28,8 @@ class Launch:
         self.log = logs / f"{run_dir.name}.launch{len(list(logs.glob('*.launch*')))}.err"
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "rltools", *map(str, args)], cwd=repo, stderr=err,
-                                         stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+                                         stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                                         preexec_fn=_as_from_a_terminal)
 
     @classmethod
     def submit(cls, repo, run_dir, *overrides, env=None) -> "Launch":
@@ -65,6 +66,12 @@ class Launch:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"no step {step} (launcher exit {self.proc.poll()}):\n{self.stderr[-3000:]}")
             time.sleep(0.1)
+
+
+def _as_from_a_terminal() -> None:
+    """Ctrl-C as at a terminal: a pytest started in the background (`cmd &` in scripts/test.sh)
+    passes SIGINT on ignored, and the launcher rightly keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def steps(run_dir: Path) -> list[int]:

@@ -66,3 +66,20 @@ def test_processes_that_inherit_the_lock_keep_it_after_their_parent_lets_go(path
     finally:
         child.communicate(b"")
     RunLock.acquire(paths, by="resume").release()
+
+
+def test_the_launcher_keeps_a_signal_it_was_started_ignoring_ignored():
+    """`nohup rltools submit ...` must survive the terminal closing (SIGHUP), while SIGTERM still stops it."""
+    import signal
+
+    from rltools.launch.local import _terminate, trap_stop_signals
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
+    try:
+        previous = trap_stop_signals()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == _terminate
+        assert list(previous) == [signal.SIGTERM]
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
