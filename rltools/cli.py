@@ -146,7 +146,7 @@ def cmd_submit(args) -> int:
 
 def cmd_resume(args) -> int:
     from .launch.run_dir import recorded_run_dir
-    from .monitor import open_run
+    from .monitor.status import open_run
 
     paths = open_run(args.run_dir)
     others = [o for o in args.overrides if not o.startswith("cluster.")]
@@ -173,7 +173,8 @@ def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...]
     launcher (its trainers resume from the latest checkpoint there, if any)."""
     from .launch.preflight import preflight
     from .launch.run_dir import create_run_dir
-    from .launch.run_lock import RunLock, describe as describe_holder
+    from .launch.run_lock import RunLock
+    from .launch.run_lock import describe as describe_holder
     from .launch.slurm import refuse_if_active
 
     preflight(config)
@@ -188,17 +189,20 @@ def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...]
         print(describe(config, plan(config)), file=sys.stderr)
         if local:
             from .launch.local import run_local
+            from .monitor.progress import Progress
 
-            return run_local(config, paths, lock)
+            return run_local(config, paths, lock, Progress(config, paths))  # built before the children start
     return _submit_to_slurm(config, paths, wait)  # the job script holds the lock while the job runs
 
 
 def _submit_to_slurm(config, paths, wait: bool) -> int:
+    from .jobs.common import run_submitted
     from .launch.slurm import submit_job
-    from .monitor import Progress, format_status, wait_for_end
+    from .monitor.progress import Progress
+    from .monitor.status import format_status, wait_for_end
 
     progress = Progress(config, paths) if wait else None  # before the job: all it writes is new
-    job = submit_job(config, paths)
+    job = submit_job(config, paths, run_submitted)
     print(f"submitted job {job.job_id}; follow it with: rltools status {paths.root}  |  rltools logs {paths.root} -f",
           file=sys.stderr)
     if not wait:
@@ -207,7 +211,7 @@ def _submit_to_slurm(config, paths, wait: bool) -> int:
     progress.update()
     progress.finish()
     print(format_status(status), file=sys.stderr)
-    return 0 if status["state"] == "COMPLETED" else 1
+    return 0 if status.state == "COMPLETED" else 1
 
 
 def cmd_render(args) -> int:
@@ -232,15 +236,16 @@ def cmd_render(args) -> int:
 def cmd_status(args) -> int:
     import json
 
-    from .monitor import format_status, open_run, run_status
+    from .monitor.status import format_status, open_run, run_status
 
     status = run_status(open_run(args.run_dir))
-    print(json.dumps(status) if args.json else format_status(status))
+    print(json.dumps(status.to_json()) if args.json else format_status(status))
     return 0
 
 
 def cmd_logs(args) -> int:
-    from .monitor import open_run, show_logs
+    from .monitor.logs import show_logs
+    from .monitor.status import open_run
 
     if args.rank is not None and args.role is None:
         raise UserError("--rank needs --role (generator or trainer): both roles have a rank 0")
@@ -253,7 +258,7 @@ def cmd_logs(args) -> int:
 
 def cmd_cancel(args) -> int:
     from .launch.slurm import ACTIVE, cancel_job
-    from .monitor import open_run, wait_for_end
+    from .monitor.status import open_run, wait_for_end
 
     paths = open_run(args.run_dir)
     if not paths.job_id_file.exists():
@@ -261,12 +266,12 @@ def cmd_cancel(args) -> int:
     job_id = paths.job_id_file.read_text().strip()
     cancel_job(job_id)
     status = wait_for_end(paths, timeout_s=120)
-    print(f"job {job_id}: {status['state']} at step {status['step']}/{status['total_steps']}")
-    return 0 if status["state"] not in ACTIVE else 1
+    print(f"job {job_id}: {status.state} at step {status.step}/{status.total_steps}")
+    return 0 if status.state not in ACTIVE else 1
 
 
 def cmd_plot(args) -> int:
-    from .monitor import open_run
+    from .monitor.status import open_run
     from .plot import plot_run
 
     plot_run(open_run(args.run_dir), args.output)
@@ -294,7 +299,9 @@ def cmd_eval(args) -> int:
     if (args.where or config.cluster.launcher) == "slurm":
         result = _eval_on_slurm(config, paths, args)
     else:
-        from .eval.run import run_eval  # light itself; vLLM is imported only once the checkpoint is found
+        from .jobs.eval import (
+            run_eval,  # light itself; vLLM is imported only once the checkpoint is found
+        )
 
         with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
             result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
@@ -314,11 +321,12 @@ def cmd_eval(args) -> int:
 def _eval_on_slurm(config, paths, args) -> dict:
     import submitit
 
-    from .eval.checkpoints import resolve_checkpoint
+    from .jobs.eval import run_eval
     from .launch.slurm import submit_eval_job
+    from .policy_exports import resolve_checkpoint
 
     resolve_checkpoint(paths, args.checkpoint)  # a wrong name fails here, not in the queue
-    job = submit_eval_job(config, paths, args.checkpoint, args.k, args.problems)
+    job = submit_eval_job(config, paths, run_eval, args.checkpoint, args.k, args.problems)
     print(f"submitted eval job {job.job_id} (log: {job.paths.stdout}); waiting for it", file=sys.stderr)
     try:
         return job.result()
@@ -379,7 +387,7 @@ def cmd_bench(args) -> int:
 def cmd_quantize(args) -> int:
     if not (args.model_dir / "config.json").exists():
         raise UserError(f"{args.model_dir}: not a Hugging Face model directory (no config.json)")
-    from .quant.checkpoint import quantize_checkpoint
+    from .quant.nvfp4_checkpoint import quantize_checkpoint
 
     try:
         summary = quantize_checkpoint(

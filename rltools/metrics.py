@@ -6,7 +6,6 @@ the training metrics, generator rank 0 the evaluations, each to its own event fi
 """
 
 import json
-import shutil
 
 from .durable import append_line, atomic_write
 from .paths import RunPaths
@@ -21,9 +20,6 @@ def resume_metrics(paths: RunPaths, steps_done: int) -> None:
     _keep_lines(paths.eval_log, lambda record: record["step"] <= steps_done)  # step = steps done
     for step in [s for s in _eval_steps(paths) if s > steps_done]:
         paths.eval_result(step).unlink()
-    for step, directory in paths.policy_steps().items():
-        if step > steps_done:
-            shutil.rmtree(directory)
     _writer(paths, purge_step=steps_done + 1)
 
 

@@ -132,7 +132,7 @@ class RunPaths:
         return self.root / "checkpoints.rejected"
 
     def checkpoint_steps(self) -> dict[int, Path]:
-        """Published checkpoint directories by step (valid or not: see rltools/checkpoint.py)."""
+        """Published checkpoint directories by step (valid or not: see rltools/train/checkpoints.py)."""
         return self._steps_in(self.checkpoints)
 
     def valid_checkpoints(self) -> dict[int, Path]:
@@ -152,7 +152,7 @@ class RunPaths:
         return self.weights / f"adapter_v{version}"
 
     def policy_dir(self, step: int) -> Path:
-        """The policy after `step` optimizer steps, exported for evaluation (rltools.eval.checkpoints)."""
+        """The policy after `step` optimizer steps, exported for evaluation (rltools.policy_exports)."""
         return self.weights / f"step_{step}"
 
     def policy_steps(self) -> dict[int, Path]:

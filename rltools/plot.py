@@ -6,7 +6,7 @@ Reads metrics.jsonl and eval/ only, so it works on a finished, failed or running
 from pathlib import Path
 
 from .errors import UserError
-from .monitor import read_evals, read_metrics
+from .monitor.records import read_evals, read_metrics
 from .paths import RunPaths
 
 TIMINGS = ("generation_s", "training_s", "sync_s", "wait_s")

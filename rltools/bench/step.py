@@ -19,6 +19,7 @@ from ..launch.local import run_local
 from ..launch.run_dir import prepare_run_dir
 from ..launch.run_lock import RunLock
 from ..launch.sbatch import render_sbatch
+from ..monitor.progress import Progress
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
@@ -30,7 +31,7 @@ def run_step_bench(steps: int = 14, warmup: int = 3, overrides: list[str] = ()) 
         )
         paths = prepare_run_dir(config, render_sbatch(config))
         with RunLock.acquire(paths, by="rltools bench step") as lock:
-            code = run_local(config, paths, lock, quiet=True)
+            code = run_local(config, paths, lock, Progress(config, paths, quiet=True))  # before the children start
         if code != 0:
             raise RuntimeError(f"the demo run failed; see {paths.log_dir}")
         times = [json.loads(line)["time"] for line in paths.metrics.read_text().splitlines()]

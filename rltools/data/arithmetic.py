@@ -18,23 +18,23 @@ Invariants:
   `hash`), so train and eval never share a question, for any seed, step or count.
 - `problems` and `train_prompts` are pure functions of their arguments and return distinct
   problems: a restarted process regenerates exactly the same list.
-- `reward` never raises and costs microseconds, whatever the completion (it looks at no more
-  than MAX_ANSWER_CHARS characters after stripping whitespace).
+- `reward` (rltools.reward.extract.exact_integer) never raises and costs microseconds, whatever the completion (it looks at no more
+  than 18 characters after stripping whitespace).
 """
 
 import hashlib
 import random
-import re
 from dataclasses import dataclass
 from typing import Callable
 
+from ..reward.extract import (
+    exact_integer as reward,  # the demo's verifier; `rltools.data.arithmetic:reward` in configs
+)
+
 PROMPT_SUFFIX = "="
 EVAL_BUCKETS = 10  # one question in ten is held out
-MAX_ANSWER_CHARS = 18
 MAX_MISSES = 20_000  # draws in a row that find no new problem of the split
 SPLITS = ("train", "eval")
-
-_CANONICAL = re.compile(r"0|[1-9][0-9]*")  # [0-9], not \d: int() would accept "８１" too
 
 
 @dataclass(frozen=True)
@@ -122,18 +122,3 @@ def format_answer(answer: int) -> str:
     if answer < 0:
         raise ValueError(f"answers are non-negative, got {answer}")
     return str(answer)
-
-
-def reward(completion_text: str, answer: int) -> float:
-    """1.0 iff the completion, stripped of surrounding whitespace, is `answer` in canonical decimal.
-
-    "81", " 81\\n" -> 1.0; "081", "+81", "81.0", "8 1", "81 is it" -> 0.0. Leading zeros are
-    rejected: the model is trained to write canonical answers, and accepting "081" would reward a
-    format no evaluator downstream expects. Never raises (non-strings score 0.0).
-    """
-    if not isinstance(completion_text, str):
-        return 0.0
-    text = completion_text.strip()
-    if len(text) > MAX_ANSWER_CHARS or not _CANONICAL.fullmatch(text):
-        return 0.0
-    return 1.0 if int(text) == answer else 0.0

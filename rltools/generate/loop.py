@@ -13,17 +13,24 @@ import time
 
 import numpy as np
 
-from .. import faults
 from ..config import load_config
 from ..data.tasks import make_task
 from ..durable import append_line, atomic_write
 from ..eval.metrics import summarize
-from ..launch.role_env import RoleEnv
 from ..metrics import write_scalars
 from ..paths import RunPaths
-from ..preempt import generator_signals
-from ..roles import eval_due, group_id, prompt_share, sync_backend, sync_rank_base, sync_world_size
 from ..rollout import FinishReason, RolloutBatch, RolloutStore, Sample
+from ..runtime import faults
+from ..runtime.preempt import generator_signals
+from ..runtime.role_env import RoleEnv
+from ..runtime.roles import (
+    eval_due,
+    group_id,
+    prompt_share,
+    sync_backend,
+    sync_rank_base,
+    sync_world_size,
+)
 from .vllm_engine import VLLMEngine, request_seed
 
 log = logging.getLogger("rltools.generator")

@@ -14,13 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Protocol
 
 from ..config.schema import RLConfig
-from ..monitor import Progress
 from ..paths import RunPaths
-from ..preempt import EXIT_STOPPED
+from ..runtime.preempt import EXIT_STOPPED
+from ..runtime.role_env import RoleEnv
 from .plan import plan
-from .role_env import RoleEnv
 from .run_lock import RunLock
 
 STOP_GRACE_S = 30.0  # a trainer stopping on SIGTERM writes its checkpoint first
@@ -33,9 +33,20 @@ class Terminated(Exception):
     """SIGTERM or SIGHUP reached the launcher (`timeout`, `kill`, a closed terminal)."""
 
 
-def run_local(config: RLConfig, paths: RunPaths, lock: RunLock, quiet: bool = False) -> int:
+class Display(Protocol):
+    """What the launcher shows while it supervises (rltools.monitor.progress.Progress). The caller
+    builds it, so that launch never imports monitor (which reads what launch writes), and builds it
+    before `run_local` starts the children: what they write afterwards is new."""
+
+    def update(self) -> None:
+        """Show what the run wrote since the last call; called on each poll."""
+
+    def finish(self) -> None:
+        """The closing lines, after the last update of a run that completed."""
+
+
+def run_local(config: RLConfig, paths: RunPaths, lock: RunLock, progress: Display) -> int:
     attempt = len(paths.attempts())  # 0 for a fresh run, +1 for each resume (as the Slurm script counts)
-    progress = Progress(config, paths, quiet)  # before the children: what they write is new
     previous = trap_stop_signals()
     children: list[dict] = []  # filled as they start: a signal during start-up stops those already running
     try:
@@ -71,7 +82,7 @@ def _terminate(signum, frame) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def _supervise(children: list[dict], paths: RunPaths, progress: Progress) -> int:
+def _supervise(children: list[dict], paths: RunPaths, progress: Display) -> int:
     while True:
         progress.update()
         ended = [c for c in children if c["proc"].poll() not in (None, 0)]

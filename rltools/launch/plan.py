@@ -7,10 +7,9 @@ the local launcher alike; RoleEnv relies on these indices to find trainer rank 0
 from dataclasses import dataclass
 
 from ..config.schema import ComponentConfig, RLConfig
+from ..config.support import megatron_unsupported
 from ..errors import UserError
-
-GENERATOR_GROUP = 0
-TRAINER_GROUP = 1
+from ..runtime.role_env import GENERATOR_GROUP, TRAINER_GROUP
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ def plan(config: RLConfig, entries: dict[str, str] | None = None) -> list[Compon
 
     `entries` replaces a role's entry module (e.g. the cluster self-check instead of the RL loop).
     """
-    entries = {"generator": "jobs.generator", "trainer": "jobs.trainer", **(entries or {})}
+    entries = {"generator": "rltools.jobs.generator", "trainer": "rltools.jobs.trainer", **(entries or {})}
     components = [
         Component(GENERATOR_GROUP, "generators", "generator", entries["generator"], config.cluster.generators),
         Component(TRAINER_GROUP, "trainers", "trainer", entries["trainer"], config.cluster.trainers),
@@ -75,22 +74,6 @@ def check_topology(config: RLConfig) -> None:
     missing = megatron_unsupported(config) if t.backend == "megatron" else []
     if missing:  # at submit time: not after the job waited in the queue for its nodes
         raise UserError("trainer.backend: megatron does not support " + "; ".join(missing) + " yet — use trainer.backend: fsdp2")
-
-
-def megatron_unsupported(config: RLConfig) -> list[str]:
-    """What a config asks of the Megatron backend that it does not build (the model's own
-    architecture is checked when the trainer reads its config.json)."""
-    t, lora = config.trainer, config.lora
-    missing = []
-    if t.expert_parallel != 1:
-        missing.append("trainer.expert_parallel > 1 (tensor and pipeline parallelism are built, expert parallelism is not)")
-    if not lora.enabled:
-        missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
-    if lora.dropout:
-        missing.append("lora.dropout > 0")
-    if config.model.quantization != "none":
-        missing.append(f"model.quantization: {config.model.quantization}")
-    return missing
 
 
 def describe(config: RLConfig, components: list[Component]) -> str:

@@ -17,7 +17,11 @@ What is ours:
   database many clusters (and our local one) lack, and then waits forever. `sacct` is the fall-back
   for a job squeue has forgotten (MinJobAge), and the job script's exit files the last resort.
 - Signals: submitit's USR2 handler requeues the job from task 0 of any step, which in a hetjob
-  is a generator, with no checkpoint; `jobs.common.run_submitted` hands the signals back to the role.
+  is a generator, with no checkpoint; `rltools.jobs.common.run_submitted` hands the signals back to the role.
+
+This module runs on the login node: it never imports the job's code. The caller hands it the
+callable each task runs (the CLI passes `rltools.jobs.common.run_submitted`), which submitit pickles
+by reference.
 """
 
 import os
@@ -25,6 +29,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from typing import Callable
 
 import submitit
 from submitit.core import core
@@ -32,7 +37,7 @@ from submitit.core import core
 from ..config.schema import RLConfig
 from ..errors import UserError
 from ..paths import ROLES, RunPaths
-from .plan import GENERATOR_GROUP, TRAINER_GROUP
+from ..runtime.role_env import GENERATOR_GROUP, TRAINER_GROUP
 from .run_lock import RunInUse
 from .sbatch import render_sbatch
 
@@ -44,15 +49,14 @@ LEFT_QUEUE = "LEFT_QUEUE"
 FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
 
 
-def submit_job(config: RLConfig, paths: RunPaths) -> "SqueueJob":
-    """Submit the run's hetjob; its id is written to the run directory for status/logs/cancel."""
+def submit_job(config: RLConfig, paths: RunPaths, task: Callable[[str], str]) -> "SqueueJob":
+    """Submit the run's hetjob, each task calling `task(RUN_DIR)`; its id is written to the run
+    directory for status/logs/cancel."""
     _require_sbatch("or run on this machine with cluster.launcher: local (--set cluster.launcher=local)")
     refuse_if_active(paths)
     executor = HetJobExecutor(config, paths)
-    from jobs.common import run_submitted
-
     try:
-        job = executor.submit(run_submitted, str(paths.root))
+        job = executor.submit(task, str(paths.root))
     except submitit.core.utils.FailedJobError as err:
         raise UserError(f"sbatch refused the job: {err}") from None
     paths.job_id_file.write_text(f"{job.job_id}\n")
@@ -240,9 +244,9 @@ class EvalExecutor(submitit.SlurmExecutor):
         )
 
 
-def submit_eval_job(config: RLConfig, paths: RunPaths, checkpoint: str, k: int | None, problems: int | None) -> SqueueJob:
-    """Submit `run_eval` as a one-task Slurm job; `job.result()` is its summary."""
+def submit_eval_job(config: RLConfig, paths: RunPaths, run_eval: Callable, checkpoint: str, k: int | None,
+                    problems: int | None) -> SqueueJob:
+    """Submit `run_eval(config, checkpoint, k, problems, paths)` as a one-task Slurm job; `job.result()`
+    is its summary."""
     _require_sbatch("or evaluate with --local on a machine that can run vLLM")
-    from ..eval.run import run_eval
-
     return EvalExecutor(config, paths).submit(run_eval, config, checkpoint, k, problems, paths)

@@ -55,7 +55,7 @@ def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .checkpoint import load_nvfp4_state
+    from .nvfp4_checkpoint import load_nvfp4_state
 
     state = dict(load_nvfp4_state(model_path))
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)

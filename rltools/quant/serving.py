@@ -34,7 +34,7 @@ def served_checkpoint(model_path: str, on_gpu: bool, weight_sync: str):
     if on_gpu and stored:
         yield model_path
         return
-    from .checkpoint import quantize_checkpoint, write_dequantized
+    from .nvfp4_checkpoint import quantize_checkpoint, write_dequantized
 
     tmp = Path(tempfile.mkdtemp(prefix="rltools-nvfp4-"))
     try:

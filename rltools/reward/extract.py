@@ -24,6 +24,8 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would accept "
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]*)", re.IGNORECASE)
 _DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 _MARKDOWN = "*`"  # bold or code around the label or the value: **Answer:** 45, **Answer: 45**, Answer: `45`
+MAX_ANSWER_CHARS = 18  # the longest canonical answer exact_integer reads
+_CANONICAL = re.compile(r"0|[1-9][0-9]*")  # [0-9], not \d: int() would accept "８１" too
 _MAX_LAYERS = 8  # `**Answer:** $\boxed{45}$.` has three; the bound keeps a hostile line linear
 
 
@@ -112,3 +114,18 @@ def integer_answer(answer) -> int | None:
     if isinstance(answer, float):
         return int(answer) if answer.is_integer() else None
     return parse_integer(str(answer)) if isinstance(answer, str) else None
+
+
+def exact_integer(completion_text: str, answer: int) -> float:
+    """1.0 iff the completion, stripped of surrounding whitespace, is `answer` in canonical decimal.
+
+    "81", " 81\\n" -> 1.0; "081", "+81", "81.0", "8 1", "81 is it" -> 0.0. Leading zeros are
+    rejected: the model is trained to write canonical answers, and accepting "081" would reward a
+    format no evaluator downstream expects. Never raises (non-strings score 0.0).
+    """
+    if not isinstance(completion_text, str):
+        return 0.0
+    text = completion_text.strip()
+    if len(text) > MAX_ANSWER_CHARS or not _CANONICAL.fullmatch(text):
+        return 0.0
+    return 1.0 if int(text) == answer else 0.0

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..config.schema import RewardConfig
-from ..data import arithmetic
 from ..errors import UserError
-from .extract import TAIL_CHARS, answer_line, last_boxed, parse_integer
+from .extract import TAIL_CHARS, answer_line, exact_integer, last_boxed, parse_integer
 from .pool import TimeoutPool, Warmup, default_workers
 
 MATH_VERIFY = "rltools.reward.math:math_verify_score"
@@ -29,7 +28,7 @@ def answer_line_integer(completion: str, answer: int) -> float:
 
 
 INLINE: dict[str, Callable[[str, int], float]] = {
-    "exact_integer": arithmetic.reward,
+    "exact_integer": exact_integer,
     "boxed_integer": boxed_integer,
     "answer_line": answer_line_integer,
 }

@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from .. import checkpoint
-from ..launch.role_env import RoleEnv
+from ..runtime.role_env import RoleEnv
+from . import checkpoints
 from .model import export_adapter, export_weights, load_policy, shard_model
 from .trainer import Trainer
 
@@ -22,8 +22,8 @@ class Backend:
     trainer: Trainer
     export_weights: Callable  # (model, lora_scale) -> iterator of (HF name, full tensor); collective
     export_adapter: Callable  # (model) -> iterator of (PEFT name, full tensor); collective
-    save: Callable  # as rltools.checkpoint.save
-    load: Callable  # as rltools.checkpoint.load
+    save: Callable  # as rltools.train.checkpoints.save
+    load: Callable  # as rltools.train.checkpoints.load
 
 
 def build_backend(config, env: RoleEnv, device: torch.device, pad_id: int) -> Backend:
@@ -38,4 +38,4 @@ def build_backend(config, env: RoleEnv, device: torch.device, pad_id: int) -> Ba
     if env.world_size > 1:
         shard_model(model)
     trainer = Trainer(model, config.algorithm, rank=env.rank, world_size=env.world_size, **trainer_args)
-    return Backend(model, trainer, export_weights, export_adapter, checkpoint.save, checkpoint.load)
+    return Backend(model, trainer, export_weights, export_adapter, checkpoints.save, checkpoints.load)

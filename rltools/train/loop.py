@@ -14,17 +14,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint, faults
+from .. import policy_exports
 from ..config import load_config
-from ..eval.checkpoints import prune_full_exports
-from ..launch.address import publish_address, wait_for_address
-from ..launch.role_env import RoleEnv
 from ..metrics import append_metrics, resume_metrics
 from ..paths import RunPaths
-from ..preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
-from ..roles import eval_due
 from ..rollout import RolloutBatch, RolloutStore
+from ..runtime import faults
+from ..runtime.address import publish_address, wait_for_address
+from ..runtime.preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
+from ..runtime.role_env import RoleEnv
+from ..runtime.roles import eval_due
 from ..weight_sync import bound_store
+from . import checkpoints
 from .backend import Backend, build_backend
 from .publish import Publisher
 
@@ -78,7 +79,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
             done = step + 1
             if env.rank == 0:
                 if export:
-                    prune_full_exports(paths, config.eval.keep_full_exports)
+                    policy_exports.prune_full_exports(paths, config.eval.keep_full_exports)
                 tokens = int(batch.completion_offsets[-1])
                 append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
                                        "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
@@ -106,24 +107,25 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
     checkpoints aside, and, once the checkpoint is known, drops the metrics and evaluations of steps
     it does not contain and the shards the resumed run may not use."""
     if env.rank == 0:
-        for debris in checkpoint.clean_incomplete(paths):
+        for debris in checkpoints.clean_incomplete(paths):
             log.warning("deleted %s: an interrupted checkpoint", debris)
-        start, notes = checkpoint.resume_point(paths)
+        start, notes = checkpoints.resume_point(paths)
         for note in notes:
             log.warning("%s", note)
         if notes:
             log.warning("resuming from %s instead", paths.checkpoint_dir(start) if start else "step 0 (no good checkpoint)")
-    checkpoint.barrier()
+    checkpoints.barrier()
     start = paths.latest_checkpoint()
     if start:
         backend.load(paths, start, backend.model, backend.trainer.optimizer, rank=env.rank)
         log.info("resumed from %s: %d of %d steps done", paths.checkpoint_dir(start), start, config.schedule.steps)
     if env.rank == 0:
         resume_metrics(paths, start)
+        policy_exports.drop_after(paths, start)
         discarded = store.discard_unusable(start, config.schedule.max_staleness)
         if discarded:
             log.info("discarded %d rollout shard(s) the resumed run may not use", len(discarded))
-    checkpoint.barrier()
+    checkpoints.barrier()
     return start
 
 

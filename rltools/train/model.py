@@ -133,7 +133,7 @@ def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple
     """
     state = _full_state_dict(model)
     if any(name.endswith(".weight_packed") for name in state):
-        from ..quant.checkpoint import dequantized_state
+        from ..quant.nvfp4_checkpoint import dequantized_state
 
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not FP8
         state = dict(dequantized_state(iter(state.items()), dtype))

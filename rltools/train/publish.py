@@ -10,12 +10,12 @@ import logging
 import socket
 from pathlib import Path
 
-from .. import faults
-from ..eval.checkpoints import PolicyWriter
-from ..launch.role_env import RoleEnv
 from ..paths import RunPaths
-from ..preempt import StopFlag
-from ..roles import sync_backend, sync_world_size
+from ..policy_exports import PolicyWriter
+from ..runtime import faults
+from ..runtime.preempt import StopFlag
+from ..runtime.role_env import RoleEnv
+from ..runtime.roles import sync_backend, sync_world_size
 from ..weight_sync import TensorStream, WeightSyncError
 from .backend import Backend
 

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from ..launch.address import AddressTimeout, publish_address, wait_for_address
 from ..paths import RunPaths
+from ..runtime.address import AddressTimeout, publish_address, wait_for_address
 
 log = logging.getLogger("rltools.weight_sync")
 

@@ -85,7 +85,7 @@ def role_pids(run_dir: Path) -> dict[str, int]:
     """The running role processes of a run directory, by role."""
     found = {}
     for role in ("generator", "trainer"):
-        out = subprocess.run(["pgrep", "-f", f"jobs.{role} {run_dir}$"], capture_output=True, text=True).stdout.split()
+        out = subprocess.run(["pgrep", "-f", f"rltools.jobs.{role} {run_dir}$"], capture_output=True, text=True).stdout.split()
         if out:
             found[role] = int(out[0])
     return found

@@ -21,7 +21,7 @@ FP4_GAP = 0.1
 
 def test_vllm_serves_the_quantized_tiny_model_and_its_adapters(tmp_path, record_property):
     from rltools.config.schema import ModelConfig
-    from rltools.quant.checkpoint import quantize_checkpoint
+    from rltools.quant.nvfp4_checkpoint import quantize_checkpoint
     from tests.gpu.test_vllm_cuda import reload_and_compare
 
     quantize_checkpoint(TINY, tmp_path / "q", progress=False)

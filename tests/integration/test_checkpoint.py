@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from rltools import checkpoint
 from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
 from rltools.paths import RunPaths
+from rltools.train import checkpoints
 from rltools.train.model import export_adapter, load_policy
 from rltools.train.trainer import Trainer
 from tests.spawn import spawn
@@ -48,18 +48,18 @@ def test_resume_from_a_checkpoint_equals_uninterrupted_training(tiny_model, tmp_
     model, trainer = make_trainer(tiny_model)
     for s in range(2):
         trainer.step(synthetic_batch(seed=s))
-    checkpoint.save(paths, 2, model, trainer.optimizer, rank=0, keep=2)
+    checkpoints.save(paths, 2, model, trainer.optimizer, rank=0, keep=2)
     del model, trainer
 
     model, trainer = make_trainer(tiny_model)  # a fresh process: base weights, new optimizer
-    assert checkpoint.load(paths, paths.latest_checkpoint(), model, trainer.optimizer, rank=0)["step"] == 2
+    assert checkpoints.load(paths, paths.latest_checkpoint(), model, trainer.optimizer, rank=0)["step"] == 2
     for s in range(2, 4):
         trainer.step(synthetic_batch(seed=s))
     resumed = adapter(model)
     assert uninterrupted.keys() == resumed.keys()
     for name in uninterrupted:  # Adam's moments came back too, or steps 3-4 would differ
         torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=0, atol=1e-7)
-    saved = checkpoint.read_weights(paths.checkpoint_dir(2))
+    saved = checkpoints.read_weights(paths.checkpoint_dir(2))
     assert saved and all("lora_" in name for name in saved), sorted(saved)[:5]  # adapters only, no frozen base
 
 
@@ -71,7 +71,7 @@ def _save_sharded(rank: int, world: int, model_path: str, port: int, run_dir: st
     torch.manual_seed(0)
     model, trainer = make_trainer(model_path, rank, world)
     trainer.step(synthetic_batch(seed=0))
-    checkpoint.save(RunPaths(run_dir), 1, model, trainer.optimizer, rank=rank, keep=2)
+    checkpoints.save(RunPaths(run_dir), 1, model, trainer.optimizer, rank=rank, keep=2)
     trainer.step(synthetic_batch(seed=1))
     weights = adapter(model)  # collective
     if rank == 0:
@@ -88,7 +88,7 @@ def test_a_checkpoint_of_two_fsdp_ranks_resumes_on_one(tiny_model, tmp_path):
     paths = RunPaths(tmp_path)
     assert list(paths.valid_checkpoints()) == [1]
     model, trainer = make_trainer(tiny_model)
-    checkpoint.load(paths, 1, model, trainer.optimizer, rank=0)
+    checkpoints.load(paths, 1, model, trainer.optimizer, rank=0)
     grad_norm = trainer.step(synthetic_batch(seed=1))["grad_norm"]
     expected = torch.load(tmp_path / "after_two_steps.pt")
     # step 2 sums its gradients in another order than the two ranks' (one rank, no reduce-scatter):
@@ -101,12 +101,12 @@ def test_a_checkpoint_of_two_fsdp_ranks_resumes_on_one(tiny_model, tmp_path):
 def test_only_checkpoints_with_their_marker_count_and_debris_is_cleaned(tiny_model, tmp_path):
     paths = RunPaths(tmp_path)
     model, trainer = make_trainer(tiny_model)
-    checkpoint.save(paths, 3, model, trainer.optimizer, rank=0, keep=2)
+    checkpoints.save(paths, 3, model, trainer.optimizer, rank=0, keep=2)
     paths.checkpoint_dir(5).mkdir()  # published but marker-less: never valid
     (paths.checkpoint_dir(5) / "meta.json").write_text("{}")
     paths.checkpoint_tmp(6).mkdir()  # a save that died before its rename
     assert paths.latest_checkpoint() == 3
-    removed = checkpoint.clean_incomplete(paths)
+    removed = checkpoints.clean_incomplete(paths)
     assert sorted(p.name for p in removed) == [".step_6.tmp", "step_5"]
     assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["step_3"]
 
@@ -115,21 +115,21 @@ def test_keeps_the_last_k_checkpoints(tiny_model, tmp_path):
     paths = RunPaths(tmp_path)
     model, trainer = make_trainer(tiny_model)
     for step in (1, 2, 3, 4):
-        checkpoint.save(paths, step, model, trainer.optimizer, rank=0, keep=2)
+        checkpoints.save(paths, step, model, trainer.optimizer, rank=0, keep=2)
     assert list(paths.valid_checkpoints()) == [3, 4]
 
 
 BIG_SAVE = """
 import sys, torch
-from rltools import checkpoint
+from rltools.train import checkpoints
 from rltools.paths import RunPaths
 torch.set_num_threads(1)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])  # ~67M params: a slow save
 optimizer = torch.optim.AdamW(model.parameters())
 paths = RunPaths(sys.argv[1])
-checkpoint.save(paths, 1, model, optimizer, rank=0, keep=5)
+checkpoints.save(paths, 1, model, optimizer, rank=0, keep=5)
 print("saved 1", flush=True)
-checkpoint.save(paths, 2, model, optimizer, rank=0, keep=5)
+checkpoints.save(paths, 2, model, optimizer, rank=0, keep=5)
 print("saved 2", flush=True)
 """
 
@@ -145,9 +145,9 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert paths.latest_checkpoint() == 1, "a checkpoint killed mid-save must not count"
-    assert checkpoint.clean_incomplete(paths) == [paths.checkpoint_tmp(2)]
+    assert checkpoints.clean_incomplete(paths) == [paths.checkpoint_tmp(2)]
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
-    assert checkpoint.load(paths, 1, model, torch.optim.AdamW(model.parameters()), rank=0)["step"] == 1
+    assert checkpoints.load(paths, 1, model, torch.optim.AdamW(model.parameters()), rank=0)["step"] == 1
 
 
 def _damage(path, how: str) -> None:
@@ -171,21 +171,21 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(tiny_mod
     model, trainer = make_trainer(tiny_model)
     for step in (1, 2):
         trainer.step(synthetic_batch(seed=step))
-        checkpoint.save(paths, step, model, trainer.optimizer, rank=0, keep=2)
+        checkpoints.save(paths, step, model, trainer.optimizer, rank=0, keep=2)
     saved = adapter(model)
     _damage(next(paths.checkpoint_dir(2).glob("*.distcp")), how)
-    assert checkpoint.verify(paths.checkpoint_dir(1)) == []
+    assert checkpoints.verify(paths.checkpoint_dir(1)) == []
 
-    start, notes = checkpoint.resume_point(paths)
+    start, notes = checkpoints.resume_point(paths)
     assert start == 1 and paths.latest_checkpoint() == 1
     assert len(notes) == 1 and re.search(rf"checkpoint {paths.checkpoint_dir(2)} is damaged \(__0_0.distcp {problem}", notes[0])
     rejected = list(paths.rejected_checkpoints.iterdir())
     assert [p.name.split(".")[0] for p in rejected] == ["step_2"] and str(rejected[0]) in notes[0]  # kept aside
     model, trainer = make_trainer(tiny_model)
-    checkpoint.load(paths, 1, model, trainer.optimizer, rank=0)
+    checkpoints.load(paths, 1, model, trainer.optimizer, rank=0)
     assert any(not torch.equal(t, saved[n]) for n, t in adapter(model).items())  # step 1's adapters, not step 2's
-    checkpoint.save(paths, 2, model, trainer.optimizer, rank=0, keep=1)
-    assert list(paths.valid_checkpoints()) == [2] and checkpoint.verify(paths.checkpoint_dir(2)) == []
+    checkpoints.save(paths, 2, model, trainer.optimizer, rank=0, keep=1)
+    assert list(paths.valid_checkpoints()) == [2] and checkpoints.verify(paths.checkpoint_dir(2)) == []
 
 
 def test_a_checkpoint_that_fails_to_load_names_itself(tiny_model, tmp_path):
@@ -193,12 +193,12 @@ def test_a_checkpoint_that_fails_to_load_names_itself(tiny_model, tmp_path):
     the directory and what to do, instead of a bare stream error."""
     paths = RunPaths(tmp_path)
     model, trainer = make_trainer(tiny_model)
-    checkpoint.save(paths, 1, model, trainer.optimizer, rank=0, keep=2)
-    (paths.checkpoint_dir(1) / checkpoint.MANIFEST).unlink()
+    checkpoints.save(paths, 1, model, trainer.optimizer, rank=0, keep=2)
+    (paths.checkpoint_dir(1) / checkpoints.MANIFEST).unlink()
     _damage(next(paths.checkpoint_dir(1).glob("*.distcp")), "truncate")
-    assert checkpoint.resume_point(paths) == (1, [])  # unverifiable: tried
+    assert checkpoints.resume_point(paths) == (1, [])  # unverifiable: tried
     with pytest.raises(RuntimeError, match=rf"loading checkpoint {paths.checkpoint_dir(1)} failed .*move it into "):
-        checkpoint.load(paths, 1, model, trainer.optimizer, rank=0)
+        checkpoints.load(paths, 1, model, trainer.optimizer, rank=0)
 
 
 def test_a_full_disk_fails_the_save_naming_it_and_keeps_the_previous_checkpoint(tiny_model, tmp_path):
@@ -209,11 +209,11 @@ def test_a_full_disk_fails_the_save_naming_it_and_keeps_the_previous_checkpoint(
     try:
         paths = RunPaths(disk)
         model, trainer = make_trainer(tiny_model)
-        checkpoint.save(paths, 1, model, trainer.optimizer, rank=0, keep=2)
+        checkpoints.save(paths, 1, model, trainer.optimizer, rank=0, keep=2)
         subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=64k"], capture_output=True)
         with pytest.raises(OSError, match=rf"No space left on device \(writing checkpoint {paths.checkpoint_tmp(2)}\)"):
-            checkpoint.save(paths, 2, model, trainer.optimizer, rank=0, keep=2)
+            checkpoints.save(paths, 2, model, trainer.optimizer, rank=0, keep=2)
         assert not paths.checkpoint_tmp(2).exists(), "the half-written checkpoint gives its space back"
-        assert list(paths.valid_checkpoints()) == [1] and checkpoint.verify(paths.checkpoint_dir(1)) == []
+        assert list(paths.valid_checkpoints()) == [1] and checkpoints.verify(paths.checkpoint_dir(1)) == []
     finally:
         subprocess.run(["umount", "-l", str(disk)])

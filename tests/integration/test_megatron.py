@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mod
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from rltools.train.megatron import checkpoint as mckpt
+    from rltools.train.megatron import checkpoints as mckpt
     from rltools.train.megatron.model import export_adapter as m_adapter
     from rltools.train.megatron.model import export_weights as m_weights
     from rltools.train.megatron.model import load_adapter, load_megatron_policy
@@ -279,7 +279,7 @@ def test_checkpoint_resumes_on_one_rank(layout, trained, tiny_model):
 def test_adapter_export_loads_in_peft(layout, trained, tiny_model, tmp_path):
     from peft import PeftModel
 
-    from rltools.eval.checkpoints import save_policy
+    from rltools.policy_exports import save_policy
 
     _, run = trained(layout)
     assert any(t.abs().sum() > 0 for n, t in run["adapter"].items() if "lora_B" in n)  # trained: B moved off 0

@@ -11,15 +11,21 @@ import pytest
 import torch
 
 from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
-from rltools.quant.checkpoint import Source, load_nvfp4_state, quantize_checkpoint
 from rltools.quant.linear import NVFP4Linear
+from rltools.quant.nvfp4_checkpoint import Source, load_nvfp4_state, quantize_checkpoint
 from rltools.quant.serving import served_checkpoint
 from rltools.train.model import export_adapter, export_weights, load_policy
 from rltools.train.trainer import Trainer
 from tests.spawn import spawn
 
 from .adam_bound import assert_runs_agree
-from .test_trainer import LORA, _train_one_step, logprob_gap, synthetic_batch, vllm_samples
+from .test_trainer import (
+    LORA,
+    _train_one_step,
+    logprob_gap,
+    synthetic_batch,
+    vllm_samples,
+)
 
 NVFP4_LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
 

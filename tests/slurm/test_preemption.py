@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from rltools import checkpoint
 from rltools.paths import RunPaths
+from rltools.train import checkpoints
 
 from .conftest import cli, slurm_demo_overrides
 
@@ -104,8 +104,8 @@ def test_a_preempted_run_ends_with_the_same_adapter_as_an_uninterrupted_one(slur
     preempt(run_dir, job_id, "signal", at_step=10, restarts=0)
     finish(run_dir, job_id, restarts=1)
 
-    ours = checkpoint.read_weights(RunPaths(run_dir).checkpoint_dir(24))
-    expected = checkpoint.read_weights(RunPaths(reference).checkpoint_dir(24))
+    ours = checkpoints.read_weights(RunPaths(run_dir).checkpoint_dir(24))
+    expected = checkpoints.read_weights(RunPaths(reference).checkpoint_dir(24))
     assert ours.keys() == expected.keys() and ours
     for name in expected:
         torch.testing.assert_close(ours[name], expected[name], rtol=1e-5, atol=1e-7)

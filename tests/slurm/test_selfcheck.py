@@ -4,7 +4,7 @@ import json
 
 from .conftest import demo_run, sbatch, wait_for_job
 
-SELFCHECK = {"generator": "jobs.selfcheck", "trainer": "jobs.selfcheck"}
+SELFCHECK = {"generator": "rltools.jobs.selfcheck", "trainer": "rltools.jobs.selfcheck"}
 
 
 def roleenvs(log_text: str) -> list[dict]:

@@ -6,9 +6,14 @@ from safetensors.torch import load_file
 
 from rltools.config.schema import LoraConfig, RLConfig
 from rltools.errors import UserError
-from rltools.eval.checkpoints import EXPORT_MARKER, PolicyWriter, resolve_checkpoint, save_policy
 from rltools.paths import RunPaths
-from rltools.roles import eval_due
+from rltools.policy_exports import (
+    EXPORT_MARKER,
+    PolicyWriter,
+    resolve_checkpoint,
+    save_policy,
+)
+from rltools.runtime.roles import eval_due
 
 
 def make_config(**schedule) -> RLConfig:
@@ -98,7 +103,7 @@ def test_evaluations_and_exports_happen_before_every_n_and_at_the_end():
 
 
 def test_only_the_newest_full_exports_are_kept_and_every_adapter(tmp_path, base):
-    from rltools.eval.checkpoints import available, prune_full_exports
+    from rltools.policy_exports import available, prune_full_exports
 
     paths = RunPaths(tmp_path / "run")
     for step, kind in ((10, "full"), (20, "lora"), (30, "full"), (40, "full")):

@@ -1,7 +1,7 @@
 """Every config field is read by the code that runs: a field that is declared, documented and set in
 a config but read nowhere (as `trainer.gradient_checkpointing` once was) is a setting silently ignored.
 
-How strong the check is. A field `<section>.<field>` counts as read when rltools/ or jobs/ (outside
+How strong the check is. A field `<section>.<field>` counts as read when rltools/ (outside
 the schema, loader and reference modules, which only declare, parse and document fields) or a
 template under templates/ reads `<ref>.<field>` or `getattr(<ref>, "<field>")`, where `<ref>` is a
 reference to that section:
@@ -132,7 +132,7 @@ def holder_fields(trees: list[ast.AST], classes: set[str]) -> dict[str, str]:
 
 
 def all_reads() -> set[tuple[str, str]]:
-    files = sorted([*(ROOT / "rltools").rglob("*.py"), *(ROOT / "jobs").rglob("*.py")])
+    files = sorted((ROOT / "rltools").rglob("*.py"))
     trees = [ast.parse(p.read_text(), str(p)) for p in files if p.relative_to(ROOT).as_posix() not in DECLARE_ONLY]
     keys = section_keys()
     keys |= holder_fields(trees, set(keys.values()))

@@ -9,9 +9,14 @@ import torch
 from safetensors import safe_open
 
 from rltools.cli import main
-from rltools.quant.checkpoint import Source, load_nvfp4_state, quantize_checkpoint, write_dequantized
 from rltools.quant.layout import plan
 from rltools.quant.nvfp4 import dequantize
+from rltools.quant.nvfp4_checkpoint import (
+    Source,
+    load_nvfp4_state,
+    quantize_checkpoint,
+    write_dequantized,
+)
 
 TINY = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
 

@@ -4,7 +4,7 @@ import json
 
 from rltools.config import load_config
 from rltools.metrics import _keep_lines
-from rltools.monitor import Progress
+from rltools.monitor.progress import Progress
 from rltools.paths import RunPaths
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from rltools.errors import UserError
-from rltools.launch.role_env import RoleEnv, expand_hostlist
+from rltools.runtime.role_env import RoleEnv, expand_hostlist
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from rltools.launch.run_dir import prepare_run_dir
 from rltools.launch.run_lock import RunLock
 from rltools.launch.sbatch import render_sbatch
 from rltools.launch.slurm import _components, minutes, overall_state
-from rltools.monitor import format_status, run_status
+from rltools.monitor.status import format_status, run_status
 
 
 @pytest.mark.parametrize("text,expected", [("30", 30), ("00:30:00", 30), ("1:00:01", 61), ("2-00:00:00", 2880),
@@ -58,9 +58,9 @@ def test_status_after_the_job_left_the_queue_names_the_component_that_failed_fir
     paths.metrics.write_text(json.dumps({"step": 0, "reward_mean": 0.5, "accuracy": 0.5, "time": 1.0}) + "\n")
 
     status = run_status(paths)
-    assert (status["state"], status["restarts"], status["step"], status["job_id"]) == ("FAILED", 1, 1, "999999")
-    assert status["failed_component"] == "generators"
-    assert "ValueError: boom" in status["log_tail"] and "generator_0.log" in status["log_tail"]
+    assert (status.state, status.restarts, status.step, status.job_id) == ("FAILED", 1, 1, "999999")
+    assert status.failed_component == "generators"
+    assert "ValueError: boom" in status.log_tail and "generator_0.log" in status.log_tail
     assert "the generators component failed first" in format_status(status)
 
 
@@ -70,14 +70,14 @@ def test_status_of_local_runs_from_the_exit_files_the_launcher_writes(repo, tmp_
     paths.metrics.write_text("".join(json.dumps(m) + "\n" for m in lines))
     paths.attempt_log_dir(0).mkdir(parents=True)
     with RunLock.acquire(paths, by="a local launcher"):  # a live launcher holds the run's lock
-        assert run_status(paths)["state"] == "RUNNING"
+        assert run_status(paths).state == "RUNNING"
     for role, code in (("generator", 0), ("trainer", 3)):
         paths.component_exit(0, role).write_text(f"{code}\n")
     stopped = run_status(paths)
-    assert stopped["state"] == "STOPPED" and "continue with: rltools resume" in format_status(stopped)
+    assert stopped.state == "STOPPED" and "continue with: rltools resume" in format_status(stopped)
     paths.component_exit(0, "trainer").write_text("0\n")
     status = run_status(paths)
-    assert (status["state"], status["step"], status["total_steps"], status["job_id"]) == ("COMPLETED", 2, 2, None)
+    assert (status.state, status.step, status.total_steps, status.job_id) == ("COMPLETED", 2, 2, None)
 
 
 def test_a_resume_forgets_what_steps_after_the_checkpoint_recorded(repo, tmp_path):
@@ -97,7 +97,7 @@ def test_a_resume_forgets_what_steps_after_the_checkpoint_recorded(repo, tmp_pat
 
 def test_logs_print_each_task_log_under_a_header_and_follow_ends_with_the_run(repo, tmp_path, capsys):
     from rltools.errors import UserError
-    from rltools.monitor import show_logs
+    from rltools.monitor.logs import show_logs
 
     paths = make_run(repo, tmp_path)
     with pytest.raises(UserError, match="no logs yet"):
@@ -117,12 +117,12 @@ def test_logs_print_each_task_log_under_a_header_and_follow_ends_with_the_run(re
 
 def test_waits_end_when_the_job_leaves_the_queue_without_a_known_end(repo, tmp_path, monkeypatch):
     import rltools.launch.slurm as slurm
-    import rltools.monitor as monitor
+    import rltools.monitor.status as monitor_status
 
     paths = make_run(repo, tmp_path, "cluster.launcher=slurm")
     paths.job_id_file.write_text("999999\n")  # neither squeue nor sacct knows it
-    monkeypatch.setattr(monitor, "UNSEEN_S", 0.0)
-    assert monitor.wait_for_end(paths)["state"] == "UNKNOWN"  # returns instead of polling forever
+    monkeypatch.setattr(monitor_status, "UNSEEN_S", 0.0)
+    assert monitor_status.wait_for_end(paths).state == "UNKNOWN"  # returns instead of polling forever
 
     answers = iter(["RUNNING", "UNKNOWN"])
     monkeypatch.setattr(slurm, "job_state", lambda job_id: {"state": next(answers), "components": {}})

@@ -5,7 +5,7 @@ import torch
 
 from ...errors import UserError
 from ..backend import Backend
-from . import checkpoint
+from . import checkpoints
 from .model import check_supported, export_adapter, export_weights, load_megatron_policy
 from .parallel import init_parallel
 from .trainer import MegatronTrainer
@@ -25,7 +25,7 @@ def build(config, env, trainer_args: dict) -> Backend:
     # the TP and PP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
     trainer = MegatronTrainer(policy, config.algorithm, rank=parallel_state.get_data_parallel_rank(),
                               world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)
-    return Backend(policy, trainer, export_weights, export_adapter, checkpoint.save, checkpoint.load)
+    return Backend(policy, trainer, export_weights, export_adapter, checkpoints.save, checkpoints.load)
 
 
 def _require_cuda() -> None:

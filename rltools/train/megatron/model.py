@@ -29,7 +29,14 @@ from ...errors import UserError
 from ...weight_sync import TensorStream
 from . import convert
 from .lora import FUSED, LoraParallelLinear, split_dim
-from .parallel import every_stage, gather, pp_rank_size, shards, to_first_stage, tp_rank_size
+from .parallel import (
+    every_stage,
+    gather,
+    pp_rank_size,
+    shards,
+    to_first_stage,
+    tp_rank_size,
+)
 
 PEFT_PREFIX = "base_model.model."
 
@@ -89,8 +96,8 @@ class MegatronPolicy(nn.Module):
 
 def check_supported(config, hf_config, world_size: int) -> None:
     """UserError for every setting this backend does not build yet (rather than a late failure); the
-    config-only part already ran at submit time (launch.plan.megatron_unsupported)."""
-    from ...launch.plan import megatron_unsupported
+    config-only part already ran at submit time (config.support.megatron_unsupported)."""
+    from ...config.support import megatron_unsupported
 
     tensor_parallel, pipeline_parallel = config.trainer.tensor_parallel, config.trainer.pipeline_parallel
     lora_cfg = config.lora

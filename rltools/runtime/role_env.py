@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..errors import UserError
-from .plan import TRAINER_GROUP
 
 ROLE = "RLTOOLS_ROLE"
+# Hetjob component indices, for the Slurm and the local launcher alike (launch.plan lays the job out so)
+GENERATOR_GROUP = 0
+TRAINER_GROUP = 1
 
 
 @dataclass(frozen=True)

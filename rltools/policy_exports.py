@@ -15,10 +15,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.schema import LoraConfig
-from ..errors import UserError
-from ..paths import RunPaths
-from ..shards import ShardWriter
+from .config.schema import LoraConfig
+from .errors import UserError
+from .paths import RunPaths
+from .safetensors_shards import ShardWriter
 
 EXPORT_MARKER = "policy.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -102,6 +102,14 @@ def prune_full_exports(paths: RunPaths, keep: int) -> list[Path]:
     for path in full[:-keep]:
         shutil.rmtree(path)
     return full[:-keep]
+
+
+def drop_after(paths: RunPaths, steps_done: int) -> None:
+    """A resume from the checkpoint after `steps_done` steps: delete the exports of later policies,
+    which the resumed run trains and exports again."""
+    for step, directory in paths.policy_steps().items():
+        if step > steps_done:
+            shutil.rmtree(directory)
 
 
 def resolve_checkpoint(paths: RunPaths, name: str) -> Policy:

@@ -18,10 +18,17 @@ from typing import Iterator
 
 import torch
 
-from ..shards import INDEX as _INDEX
-from ..shards import ShardWriter
-from .layout import QUANT_SUFFIXES, QuantPlan, is_nvfp4_config, plan, quantization_config
+from ..safetensors_shards import INDEX as _INDEX
+from ..safetensors_shards import ShardWriter
+from .layout import (
+    QUANT_SUFFIXES,
+    QuantPlan,
+    is_nvfp4_config,
+    plan,
+    quantization_config,
+)
 from .nvfp4 import dequantize, global_scale_for, packed_bytes, quantize
+
 
 class Source:
     """The tensors of a safetensors checkpoint directory, opened lazily (memory-mapped)."""

@@ -1,6 +1,6 @@
 """What every role entry point does around its loop: logging, one torch thread on CPU, exit codes.
 
-Two ways in: `python -m jobs.<role> RUN_DIR` (plain sbatch script, local launcher) and
+Two ways in: `python -m rltools.jobs.<role> RUN_DIR` (plain sbatch script, local launcher) and
 `run_submitted`, the call the submitit executor pickles (rltools/launch/slurm.py).
 """
 
@@ -12,13 +12,13 @@ import sys
 
 
 def run_role(role: str, argv: list[str]) -> int:
-    from rltools import faults
-    from rltools.preempt import catch_early
+    from rltools.runtime import faults
+    from rltools.runtime.preempt import catch_early
 
     catch_early(role)  # before the slow imports below: a preemption signal must not kill a starting role
     faults.point(f"{role}.start")
     if len(argv) != 1:
-        print(f"usage: python -m jobs.{role} RUN_DIR", file=sys.stderr)
+        print(f"usage: python -m rltools.jobs.{role} RUN_DIR", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s", stream=sys.stdout)
     logging.getLogger("rltools").info("%s starting in %s (pid %d)", role, argv[0], os.getpid())
@@ -60,10 +60,10 @@ class RoleFailed(RuntimeError):
 
 def run_submitted(run_dir: str) -> str:
     """The task body under the submitit executor: run this task's role (srun sets RLTOOLS_ROLE)."""
-    from rltools.preempt import EXIT_STOPPED, catch_early
+    from rltools.runtime.preempt import EXIT_STOPPED, catch_early
 
     catch_early(os.environ.get("RLTOOLS_ROLE", "trainer"))  # before RoleEnv's imports: see run_role
-    from rltools.launch.role_env import RoleEnv
+    from rltools.runtime.role_env import RoleEnv
 
     # submitit's handlers would make SIGTERM a no-op (scancel then waits out KillWait) and requeue
     # the job from generator task 0 on the preemption signal, with no checkpoint: the role's own

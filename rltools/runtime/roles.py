@@ -5,7 +5,7 @@ the weight-sync world (trainer rank 0 + every vLLM worker), its backend, and whi
 produces which prompts of a step (group ids are global, so advantages group correctly).
 """
 
-from .config.schema import RLConfig
+from ..config.schema import RLConfig
 
 
 def sync_world_size(config: RLConfig) -> int:

@@ -1,18 +1,18 @@
 """Checkpoints of the Megatron backend, in the FSDP2 backend's format.
 
-What is saved is what `rltools.checkpoint` saves for a peft model: the LoRA adapters under peft's
+What is saved is what `rltools.train.checkpoints` saves for a peft model: the LoRA adapters under peft's
 parameter names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`) and
 their AdamW moments, as full tensors — gathered over TP before the save, split again at load; each
 pipeline stage saves and loads its own layers' adapters (global layer numbers, so the keys of the
 stages never collide). So a checkpoint written at one TP or PP degree resumes at any other (or on
 FSDP2); the adapters are small, so gathering them costs little. Everything else (atomic
-directories, markers, RNG, keep-last-K) is `rltools.checkpoint`'s.
+directories, markers, RNG, keep-last-K) is `rltools.train.checkpoints`'s.
 """
 
 import torch
 from torch import nn
 
-from ... import checkpoint
+from .. import checkpoints
 from .lora import split_dim
 from .model import MegatronPolicy, adapter_names, projection_of
 from .parallel import gather, tp_rank_size
@@ -22,12 +22,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def save(paths, step: int, policy: MegatronPolicy, optimizer, *, rank: int, keep: int):
     view, view_optimizer, _ = _full_view(policy, optimizer)
-    return checkpoint.save(paths, step, view, view_optimizer, rank=rank, keep=keep)
+    return checkpoints.save(paths, step, view, view_optimizer, rank=rank, keep=keep)
 
 
 def load(paths, step: int, policy: MegatronPolicy, optimizer, *, rank: int) -> dict:
     view, view_optimizer, pairs = _full_view(policy, optimizer)
-    meta = checkpoint.load(paths, step, view, view_optimizer, rank=rank)
+    meta = checkpoints.load(paths, step, view, view_optimizer, rank=rank)
     tp_rank, tp_size = tp_rank_size()
 
     def local(full: torch.Tensor, dim: int | None) -> torch.Tensor:

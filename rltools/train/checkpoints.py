@@ -32,11 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
-from . import faults
-from .durable import fsync_path, naming
-from .paths import CHECKPOINT_MARKER, RunPaths
+from ..durable import fsync_path, naming
+from ..paths import CHECKPOINT_MARKER, RunPaths
+from ..runtime import faults
 
 META = "meta.json"
 MANIFEST = "checksums.json"

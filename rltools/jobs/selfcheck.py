@@ -11,9 +11,9 @@ import sys
 from dataclasses import asdict
 
 from rltools.config import load_config
-from rltools.launch.address import AddressTimeout, publish_address, wait_for_address
-from rltools.launch.role_env import RoleEnv
 from rltools.paths import RunPaths
+from rltools.runtime.address import AddressTimeout, publish_address, wait_for_address
+from rltools.runtime.role_env import RoleEnv
 
 DEADLINE_S = 120.0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..config.schema import RLConfig
 from ..paths import RunPaths
-from .checkpoints import Policy, resolve_checkpoint
+from ..policy_exports import Policy, resolve_checkpoint
 
 
 def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None, problems: int | None = None,

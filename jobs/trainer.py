@@ -1,8 +1,0 @@
-"""Trainer role entry point: `python -m jobs.trainer RUN_DIR` (one per trainer rank)."""
-
-import sys
-
-from jobs.common import run_role
-
-if __name__ == "__main__":
-    sys.exit(run_role("trainer", sys.argv[1:]))

@@ -1,0 +1,108 @@
+"""The live display of a run while a launcher waits on it, and the one format of a step's line.
+
+Invariant: a step's line is formatted by `step_line` alone, for the live display and for
+`rltools status` alike, so both say the same thing the same way.
+"""
+
+import os
+import sys
+
+from ..config.schema import RLConfig
+from ..paths import RunPaths
+from .records import eval_files, parse_records, read_evals, read_json
+
+
+class Progress:
+    """One line per step (a redrawn bar on a terminal): step, reward, accuracy, tokens/s, timings.
+
+    Invariant: it shows what the job it follows writes, each step and evaluation once. What the run
+    directory held when it was created is history and is not shown again; a metrics.jsonl that a
+    resume rewrites (a new, shorter file) is read again from its start, skipping lines already
+    known, so a resume never replays the steps it discards. A line it cannot parse is skipped: the
+    display must never stop the run it follows.
+    """
+
+    def __init__(self, config: RLConfig, paths: RunPaths, quiet: bool = False):
+        self.paths, self.steps, self.k, self.quiet = paths, config.schedule.steps, config.eval.k, quiet
+        self.tty = sys.stderr.isatty()
+        self.inode, self.offset, self.printed = None, 0, False
+        self.known = {_record_key(m) for m in self._new_records()}  # history
+        self.shown_evals = dict(eval_files(paths))  # step -> mtime of the result file, history too
+
+    def update(self) -> None:
+        lines = []  # (steps done, is an eval, text): an eval after k steps prints right after step k
+        for m in self._new_records():
+            if _record_key(m) in self.known:
+                continue
+            self.known.add(_record_key(m))
+            lines.append((m["step"] + 1, False, step_line(m["step"] + 1, self.steps, m, timings=True)))
+        for step, mtime in eval_files(self.paths).items():
+            if self.shown_evals.get(step) != mtime:
+                self.shown_evals[step] = mtime
+                result = read_json(self.paths.eval_result(step))
+                if result:
+                    lines.append((step, True, eval_line(step, result)))
+        if self.quiet:
+            return
+        for _, is_eval, text in sorted(lines, key=lambda item: item[:2]):
+            if is_eval:
+                _print(("\n" if self.tty else "") + text)
+            else:
+                _print(("\r" + text) if self.tty else text, end="" if self.tty else "\n")
+            self.printed = True
+
+    def finish(self) -> None:
+        if self.quiet:
+            return
+        evals = read_evals(self.paths)
+        if 0 in evals and self.steps in evals:
+            before, after = evals[0]["avg_at_k"], evals[self.steps]["avg_at_k"]
+            _print(f"\nheld-out avg@{self.k}: {before:.3f} before -> {after:.3f} after {self.steps} steps "
+                   f"({100 * (after - before):+.1f} points)")
+        _print(f"run directory: {self.paths.root}")
+
+    def _new_records(self) -> list[dict]:
+        """Records appended since the last poll; all of them again after the file was replaced."""
+        try:
+            with open(self.paths.metrics, "rb") as f:
+                stat = os.fstat(f.fileno())
+                if stat.st_ino != self.inode or stat.st_size < self.offset:  # new, or a resume rewrote it
+                    if self.printed and self.inode is not None:
+                        _print(f"\n(the job restarted from its checkpoint after {self.paths.latest_checkpoint()} steps)")
+                    self.inode, self.offset = stat.st_ino, 0
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(complete)
+        return parse_records(complete.decode(errors="replace"))
+
+
+def _record_key(record: dict) -> tuple:
+    return record["step"], record.get("time")
+
+
+def step_line(done: int, total: int, m: dict | None = None, timings: bool = False) -> str:
+    """`step done/total [bar]`, then the step's reward, accuracy and KL when there is a record `m`,
+    then its throughput and timings with `timings` (the live display has them; a status may not)."""
+    bar = ("=" * int(20 * done / total)).ljust(20)
+    line = f"step {done}/{total} [{bar}]"
+    if m:
+        line += f" reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} kl {m.get('kl', 0):.4f}"
+        if timings:
+            line += (f" | {m['gen_tokens_per_s']:.0f} tok/s | gen {m['generation_s']:.2f}s "
+                     f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s")
+    return line
+
+
+def eval_line(step: int, result: dict) -> str:
+    return (f"eval after {step} steps: avg@{result['k']} {result['avg_at_k']:.3f} "
+            f"(+- {result['stderr']:.3f}, {result['n_problems']} problems)")
+
+
+def _print(text: str, end: str = "\n") -> None:
+    try:
+        print(text, end=end, file=sys.stderr, flush=True)
+    except OSError:  # a closed terminal: the run goes on
+        pass

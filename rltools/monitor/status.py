@@ -1,0 +1,191 @@
+"""A run's state (`rltools status`, `submit --wait`, `cancel`), read from its directory and Slurm's queue.
+
+Invariant: `run_status` needs no accounting database and no launcher: Slurm's word comes from
+`launch.slurm.job_state` (squeue, then sacct), a local run's from its lock, and when neither knows,
+the exit files of the latest attempt decide; those files also name the component that failed first.
+Every wait here ends, with or without a deadline.
+"""
+
+import dataclasses
+import datetime
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import load_config
+from ..errors import UserError
+from ..launch.run_lock import is_held
+from ..launch.slurm import ACTIVE, job_state
+from ..paths import ROLES, RunPaths
+from ..runtime.preempt import EXIT_STOPPED
+from .logs import failing_log_tail
+from .progress import step_line
+from .records import read_evals, read_metrics
+
+COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
+UNSEEN_S = 120.0  # a submitted job squeue has not shown by then is not going to appear
+
+
+@dataclass
+class RunStatus:
+    """Where a run stands. The fields, in this order, are the keys of `rltools status --json`."""
+
+    run_dir: str
+    """The run directory, resolved."""
+    name: str
+    """The run's `run.name`."""
+    launcher: str
+    """The run's `cluster.launcher`: "slurm" or "local"."""
+    job_id: str | None
+    """The Slurm job id the run directory records; None for a run that was never submitted to Slurm."""
+    state: str
+    """Slurm's word for the job (PENDING, RUNNING, COMPLETED, FAILED, ...); RUNNING for a live local
+    launcher; STOPPED for a trainer that stopped at a checkpoint on a signal (resumable); UNKNOWN
+    when neither Slurm, the run's lock nor the exit files tell."""
+    components: dict[str, dict[str, str]]
+    """Slurm's view of each hetjob component: {"generators": {"state", "nodes", "reason"}, ...};
+    empty when Slurm does not know the job (or there is none)."""
+    restarts: int
+    """The latest attempt's number: 0 for a run that never restarted or resumed."""
+    step: int
+    """Steps done, by metrics.jsonl."""
+    total_steps: int
+    """The run's `schedule.steps`."""
+    last_metrics: dict | None
+    """The last complete record of metrics.jsonl; None before the first step."""
+    eta_s: float | None
+    """Seconds left at the pace of the last 20 steps; None with fewer than two timed steps."""
+    eval_k: int
+    """The k of the held-out avg@k (`eval.k`)."""
+    evals: dict[int, float]
+    """Held-out avg@k by the steps done when it was measured, oldest first."""
+    checkpoint: int
+    """Steps done by the latest valid checkpoint; 0 when there is none."""
+    failed_component: str | None = None
+    """The component whose role failed first ("generators" or "trainers"), when the run failed."""
+    log_tail: str | None = None
+    """The end of that component's task log that shows the error."""
+
+    def to_json(self) -> dict:
+        """The plain dict that `rltools status --json` prints."""
+        return dataclasses.asdict(self)
+
+
+def open_run(run_dir: str | Path) -> RunPaths:
+    paths = RunPaths(Path(run_dir).resolve())
+    if not paths.config.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml): pass the run.dir of a submitted run")
+    return paths
+
+
+def run_status(paths: RunPaths) -> RunStatus:
+    """Where a run stands, from its directory, Slurm's queue and its latest attempt's exit files."""
+    config = load_config(paths.config)
+    job_id = paths.job_id_file.read_text().strip() if paths.job_id_file.exists() else None
+    attempts = paths.attempts()
+    metrics = read_metrics(paths)
+    status = RunStatus(
+        run_dir=str(paths.root),
+        name=config.run.name,
+        launcher=config.cluster.launcher,
+        job_id=job_id,
+        state="UNKNOWN",
+        components={},
+        restarts=attempts[-1] if attempts else 0,
+        step=metrics[-1]["step"] + 1 if metrics else 0,
+        total_steps=config.schedule.steps,
+        last_metrics=metrics[-1] if metrics else None,
+        eta_s=_eta(metrics, config.schedule.steps),
+        eval_k=config.eval.k,
+        evals={step: result["avg_at_k"] for step, result in read_evals(paths).items()},
+        checkpoint=paths.latest_checkpoint(),
+    )
+    if job_id:
+        job = job_state(job_id)
+        status.state, status.components = job["state"], job["components"]
+    elif is_held(paths):  # the local launcher (and its roles) hold the run's lock while they run
+        status.state = "RUNNING"
+    if attempts:
+        _read_exits(status, paths, attempts[-1])
+    return status
+
+
+def _read_exits(status: RunStatus, paths: RunPaths, attempt: int) -> None:
+    """What the attempt's exit files add: the end of a job Slurm has forgotten, a stop at a
+    checkpoint, and the component that failed first (the first exit file written with a failure)."""
+    exits = _exit_codes(paths, attempt)
+    if status.state == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
+        status.state = "COMPLETED" if set(exits.values()) == {0} and len(exits) == len(ROLES) else "FAILED"
+    if status.state not in ACTIVE and exits.get("trainer") == EXIT_STOPPED:
+        status.state = "STOPPED"  # on a signal, at a checkpoint: resumable
+    if status.state not in ACTIVE and status.state not in ("COMPLETED", "STOPPED"):
+        failed = [role for role, code in sorted(exits.items(), key=lambda item: _mtime(paths, attempt, item[0]))
+                  if code != 0]
+        if failed:
+            status.failed_component = COMPONENT_OF[failed[0]]
+            status.log_tail = failing_log_tail(paths, attempt, failed[0])
+
+
+def format_status(status: RunStatus) -> str:
+    job = f"job {status.job_id}" if status.job_id else f"{status.launcher} launcher"
+    lines = [f"{status.name}  {job}  {status.state}  restarts {status.restarts}  ({status.run_dir})"]
+    for name, component in status.components.items():
+        where = component["nodes"] or component["reason"]
+        lines.append(f"  {name:<11} {component['state']:<11} {where}")
+    line = step_line(status.step, status.total_steps, status.last_metrics)
+    if status.eta_s is not None and status.state in ACTIVE:
+        line += f" | eta {datetime.timedelta(seconds=round(status.eta_s))}"
+    lines.append(line)
+    if status.checkpoint:
+        lines.append(f"checkpoint after {status.checkpoint} steps")
+    if status.state not in ACTIVE | {"UNKNOWN", "COMPLETED"}:
+        lines.append(f"continue with: rltools resume {status.run_dir}")
+    if status.evals:
+        lines.append(f"held-out avg@{status.eval_k}: " + ", ".join(f"step {s} {v:.3f}" for s, v in sorted(status.evals.items())))
+    if status.failed_component:
+        lines.append(f"the {status.failed_component} component failed first; the end of its log:")
+        lines.append(status.log_tail)
+    return "\n".join(lines)
+
+
+def wait_for_end(paths: RunPaths, timeout_s: float | None = None, progress=None) -> RunStatus:
+    """Poll the run until its job is no longer active; `progress.update()` on each poll.
+
+    Without `timeout_s` it still ends: a job that squeue forgets before its end is known (UNKNOWN after
+    it was seen, or never seen within UNSEEN_S of the first poll) is reported as it stands."""
+    start = time.monotonic()
+    seen = False
+    while True:
+        if progress is not None:
+            progress.update()
+        status = run_status(paths)
+        if status.state not in ACTIVE and status.state != "UNKNOWN":
+            return status
+        seen = seen or status.state in ACTIVE
+        waited = time.monotonic() - start
+        if status.state == "UNKNOWN" and (seen or waited > UNSEEN_S):
+            return status
+        if timeout_s is not None and waited > timeout_s:
+            return status
+        time.sleep(2.0)
+
+
+def _eta(metrics: list[dict], total: int) -> float | None:
+    recent = [m["time"] for m in metrics[-20:] if "time" in m]
+    if len(recent) < 2:
+        return None
+    per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
+    return max(0.0, (total - metrics[-1]["step"] - 1) * per_step)
+
+
+def _exit_codes(paths: RunPaths, attempt: int) -> dict[str, int]:
+    codes = {}
+    for role in ROLES:
+        path = paths.component_exit(attempt, role)
+        if path.exists():
+            codes[role] = int(path.read_text().strip() or 1)
+    return codes
+
+
+def _mtime(paths: RunPaths, attempt: int, role: str) -> float:
+    return paths.component_exit(attempt, role).stat().st_mtime
