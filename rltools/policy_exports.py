@@ -1,9 +1,10 @@
 """Policy exports for evaluation: what `--checkpoint base|latest|step_N` means, in one place.
 
 Invariants:
-- weights/step_<k>/ holds the policy after k optimizer steps exactly as the generators served it:
-  weight_sync full -> a complete Hugging Face model (the merged tensors the engines loaded, plus the
-  base model's config and tokenizer files); weight_sync lora -> a PEFT adapter over the base model.
+- weights/step_<k>/ holds the policy after k optimizer steps exactly as the generators served it,
+  in the files of the run's weight format (rltools.weight_formats): weight_sync full -> a complete
+  Hugging Face model (the merged tensors the engines loaded, plus the base model's config and
+  tokenizer files); weight_sync lora -> a PEFT adapter over the base model.
 - An export counts only with its marker (EXPORT_MARKER, written last, inside a temporary directory
   that is then renamed): a trainer killed mid-write leaves nothing a reader takes for a policy.
 - `resolve_checkpoint` is the only reader of the layout; checkpoints with optimizer state (issue 6)
@@ -15,13 +16,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config.schema import LoraConfig
+from .durable import publish_dir
 from .errors import UserError
 from .paths import RunPaths
-from .safetensors_shards import ShardWriter
+from .weight_formats import FORMATS, WeightFormat
 
 EXPORT_MARKER = "policy.json"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
@@ -35,55 +35,31 @@ class Policy:
     path: Path | None
 
 
-def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
-    """adapter_config.json of an adapter trained with `lora` (what vLLM and peft read)."""
-    return {
-        "peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
-        "target_modules": list(lora.target_modules), "bias": "none", "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-    }
-
-
 class PolicyWriter:
-    """One policy export written as its tensors arrive (`add`), finished by `close`: a full model
-    goes out in safetensors shards of `shard_bytes` as they fill, so the trainer never holds the
-    whole model for it; adapters (small) are written at `close`."""
+    """One policy export written as its tensors arrive (`add`), finished by `close`; its files are
+    the weight format's (`export_writer`): a full model in safetensors shards of `shard_bytes` as
+    they fill, so the trainer never holds the whole model for it, or a PEFT adapter."""
 
-    def __init__(self, target: Path, kind: str, base_model: str, lora: LoraConfig, step: int,
-                 shard_bytes: int = 4 << 30):
-        self.target, self.kind, self.base_model, self.lora, self.step = Path(target), kind, base_model, lora, step
+    def __init__(self, target: Path, fmt: WeightFormat, step: int, shard_bytes: int = 4 << 30):
+        self.target, self.fmt, self.step = Path(target), fmt, step
         self.tmp = self.target.with_name(self.target.name + ".tmp")
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        self.adapter: dict = {}
-        self.shards = ShardWriter(self.tmp, shard_bytes) if kind == "full" else None
+        self.files = fmt.export_writer(self.tmp, shard_bytes)
 
     def add(self, name: str, tensor) -> None:
-        if self.shards is not None:
-            self.shards.add(name, tensor)
-        else:
-            self.adapter[name] = tensor.detach().contiguous().cpu()
+        self.files.add(name, tensor)
 
     def close(self) -> None:
-        from safetensors.torch import save_file
-
-        if self.shards is None:
-            save_file(self.adapter, str(self.tmp / "adapter_model.safetensors"))
-            (self.tmp / "adapter_config.json").write_text(json.dumps(peft_adapter_config(self.lora, self.base_model)))
-        else:
-            self.shards.close()
-            for source in Path(self.base_model).iterdir():  # config, generation config, tokenizer files
-                if source.is_file() and not source.name.endswith(_WEIGHT_SUFFIXES) and not source.name.endswith(".index.json"):
-                    shutil.copy2(source, self.tmp / source.name)
-        (self.tmp / EXPORT_MARKER).write_text(json.dumps({"step": self.step, "kind": self.kind,
-                                                          "base_model": self.base_model}))
-        shutil.rmtree(self.target, ignore_errors=True)
-        self.tmp.rename(self.target)
+        self.files.close()
+        (self.tmp / EXPORT_MARKER).write_text(json.dumps({"step": self.step, "kind": self.fmt.name,
+                                                          "base_model": self.fmt.base_model}))
+        publish_dir(self.tmp, self.target)
 
 
-def save_policy(target: Path, tensors, kind: str, base_model: str, lora: LoraConfig, step: int) -> None:
+def save_policy(target: Path, tensors, fmt: WeightFormat, step: int) -> None:
     """Write an export of `tensors` ((name, tensor) pairs as broadcast to the generators) to `target`."""
-    writer = PolicyWriter(target, kind, base_model, lora, step)
+    writer = PolicyWriter(target, fmt, step)
     for name, tensor in tensors:
         writer.add(name, tensor)
     writer.close()
@@ -98,7 +74,7 @@ def prune_full_exports(paths: RunPaths, keep: int) -> list[Path]:
     """Delete complete-model exports beyond the newest `keep` (each is a whole model: with full weight
     sync of a large model they would fill the disk); adapter exports are small and all kept."""
     full = [path for path in available(paths).values()
-            if json.loads((path / EXPORT_MARKER).read_text())["kind"] == "full"]
+            if FORMATS[json.loads((path / EXPORT_MARKER).read_text())["kind"]].whole_model]
     for path in full[:-keep]:
         shutil.rmtree(path)
     return full[:-keep]

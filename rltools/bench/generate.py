@@ -36,8 +36,9 @@ def run_generate_bench(prompts: int = 64, group: int = 8, repeats: int = 5) -> d
 
 def _vllm_sampler(config, texts, group):
     from ..generate.vllm_engine import VLLMEngine
+    from ..weight_formats import weight_format
 
-    engine = VLLMEngine(config.model, config.generator, config.run.seed)
+    engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config))
 
     def sample() -> int:
         results = engine.sample(texts, n=group, seeds=list(range(len(texts))))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..durable import atomic_path, fsync_path
 from ..paths import RunPaths
 from ..rollout import FinishReason, RolloutBatch, RolloutStore
 
@@ -48,18 +49,17 @@ def realistic_batch(rng: np.random.Generator, prompts: int = 64, group: int = 8)
 
 
 def _raw_round_trip(directory: Path, payload: list[np.ndarray]) -> None:
-    tmp, final = directory / ".raw.tmp", directory / "raw.bin"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for array in payload:
-            os.write(fd, memoryview(array).cast("B"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    os.fsync(dir_fd)
-    os.close(dir_fd)
+    """The shard writer's operations on raw bytes: write, fsync and rename (atomic_path), then the
+    directory fsync, then read back."""
+    final = directory / "raw.bin"
+    with atomic_path(final) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for array in payload:
+                os.write(fd, memoryview(array).cast("B"))
+        finally:
+            os.close(fd)
+    fsync_path(directory)
     with open(final, "rb") as f:
         f.read()
 

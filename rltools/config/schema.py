@@ -164,6 +164,11 @@ class TrainerConfig(Section):
     divide the layer count, and tensor_parallel x pipeline_parallel must divide the trainer ranks."""
     expert_parallel: int = Field(1, ge=1)
     """Megatron expert-parallel degree, MoE models (not built yet: the trainer stops at start-up unless 1)."""
+    sync_timeout_s: float = Field(1800.0, gt=0)
+    """Deadline of the trainer ranks' own collectives: process group formation, gradient and checkpoint
+    collectives, and the other ranks' wait while rank 0 alone waits for rollouts (schedule.rollout_timeout_s)
+    or for the weight sync, so keep it above those. generator.sync_timeout_s governs the weight-sync
+    group shared with the generators."""
 
     @model_validator(mode="after")
     def _parallel_needs_megatron(self):

@@ -18,8 +18,8 @@ Invariants:
   `hash`), so train and eval never share a question, for any seed, step or count.
 - `problems` and `train_prompts` are pure functions of their arguments and return distinct
   problems: a restarted process regenerates exactly the same list.
-- `reward` (rltools.reward.extract.exact_integer) never raises and costs microseconds, whatever the completion (it looks at no more
-  than 18 characters after stripping whitespace).
+- `reward` (reward.extract.exact_integer) never raises and costs microseconds, whatever the
+  completion (it looks at no more than 18 characters after stripping whitespace).
 """
 
 import hashlib
@@ -27,9 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from ..reward.extract import (
-    exact_integer as reward,  # the demo's verifier; `rltools.data.arithmetic:reward` in configs
-)
+from ..reward.extract import exact_integer as reward  # noqa: F401  (the demo's verifier: `rltools.data.arithmetic:reward`)
 
 PROMPT_SUFFIX = "="
 EVAL_BUCKETS = 10  # one question in ten is held out

@@ -31,6 +31,7 @@ from ..runtime.roles import (
     sync_rank_base,
     sync_world_size,
 )
+from ..weight_formats import weight_format
 from .vllm_engine import VLLMEngine, request_seed
 
 log = logging.getLogger("rltools.generator")
@@ -49,7 +50,7 @@ def run_generator(run_dir: str) -> None:
 
 
 def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
-    engine = VLLMEngine(config.model, config.generator, config.run.seed, config.lora)
+    engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config))
     engine.join_weight_sync(
         paths, sync_rank_base(config, env.rank), sync_world_size(config), env.attempt, sync_backend()
     )

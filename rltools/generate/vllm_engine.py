@@ -16,9 +16,10 @@ Invariants:
 import time
 from dataclasses import dataclass
 
-from ..config.schema import GeneratorConfig, LoraConfig, ModelConfig
+from ..config.schema import GeneratorConfig, ModelConfig
 from ..paths import RunPaths
 from ..rollout import FinishReason
+from ..weight_formats import WeightFormat
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _SEED_MOD = 2**31 - 1
@@ -45,17 +46,16 @@ def request_seed(run_seed: int, step: int, index: int, n: int) -> int:
 
 
 class VLLMEngine:
-    def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, lora: LoraConfig | None = None):
+    def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, fmt: WeightFormat):
         from vllm import LLM
 
         self.config = generator
-        self.lora = lora
+        self.format = fmt  # how weight updates arrive and are served (generator.weight_sync)
         self.lora_request = None  # policy version 0 is the base model (LoRA B starts at zero)
         kwargs = {}
         if generator.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
-        if generator.weight_sync == "lora":
-            kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
+        kwargs.update(fmt.engine_args())
         with self._checkpoint(model) as path:
             self.llm = LLM(
                 model=path,
@@ -80,7 +80,7 @@ class VLLMEngine:
 
         from ..quant.serving import served_checkpoint
 
-        return served_checkpoint(model.path, on_gpu=not current_platform.is_cpu(), weight_sync=self.config.weight_sync)
+        return served_checkpoint(model.path, on_gpu=not current_platform.is_cpu(), dense_updates=self.format.dense)
 
     def sample(self, prompts: list[str], n: int, seeds: list[int], max_tokens: int | None = None) -> list[PromptResult]:
         from vllm import SamplingParams
@@ -119,7 +119,7 @@ class VLLMEngine:
     def join_weight_sync(self, paths: RunPaths, first_rank: int, world_size: int, attempt: str, backend: str) -> None:
         self.llm.collective_rpc(
             "rltools_join_sync",
-            args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s),
+            args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s, self.format),
         )
 
     def receive_weights(self, paths: RunPaths, next_version: int) -> tuple[int, float]:
@@ -129,27 +129,9 @@ class VLLMEngine:
         answers = set(self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s, str(adapter))))
         if len(answers) != 1:
             raise RuntimeError(f"vLLM workers loaded different policy versions {sorted(answers)}")
-        version, kind = answers.pop()
+        version, _ = answers.pop()
         if version != next_version:
             raise RuntimeError(f"expected policy version {next_version} from trainer rank 0, received {version}")
-        if kind == "lora":
-            self._serve_adapter(paths, version)
+        self.format.serve(self, paths.adapter_dir(version), version)
         self.llm.reset_prefix_cache()
         return version, time.perf_counter() - start
-
-    def _serve_adapter(self, paths: RunPaths, version: int) -> None:
-        import json
-        import shutil
-
-        from vllm.lora.request import LoRARequest
-
-        adapter = paths.adapter_dir(version)
-        config = {
-            "peft_type": "LORA", "r": self.lora.rank, "lora_alpha": self.lora.alpha, "lora_dropout": 0.0,
-            "target_modules": list(self.lora.target_modules), "bias": "none", "task_type": "CAUSAL_LM",
-        }
-        (adapter / "adapter_config.json").write_text(json.dumps(config))
-        previous = self.lora_request
-        self.lora_request = LoRARequest(f"policy-v{version}", version, str(adapter))  # a new id: vLLM reloads
-        if previous is not None:
-            shutil.rmtree(previous.lora_path, ignore_errors=True)

@@ -14,9 +14,10 @@ from ..paths import RunPaths
 
 class WeightSyncExtension:
     def rltools_join_sync(
-        self, run_dir: str, first_rank: int, world_size: int, attempt: str, backend: str, timeout_s: float
+        self, run_dir: str, first_rank: int, world_size: int, attempt: str, backend: str, timeout_s: float, fmt
     ) -> int:
-        """Join the weight-sync group as sync rank first_rank + this worker's TP rank; returns that rank."""
+        """Join the weight-sync group as sync rank first_rank + this worker's TP rank, to receive weights
+        of format `fmt` (rltools.weight_formats); returns that rank."""
         from ..weight_sync import SyncOptions, WeightReceiver, join_group
 
         rank = first_rank + self.rank
@@ -24,25 +25,21 @@ class WeightSyncExtension:
         device = self.device if backend == "nccl" else None
         group = join_group(RunPaths(run_dir), rank=rank, world_size=world_size, attempt=attempt, options=options, device=device)
         self._rltools_receiver = WeightReceiver(group)
+        self._rltools_format = fmt
         return rank
 
     def rltools_receive_weights(self, timeout_s: float, adapter_dir: str) -> tuple[int, str]:
-        """Receive one weight message from trainer rank 0; returns (policy version, kind).
-
-        kind full: loaded in place. kind lora: written as a PEFT adapter under `adapter_dir` (by TP
-        rank 0; every rank receives the whole adapter), which the engine then serves.
-        """
+        """Receive one weight message from trainer rank 0 and apply it as its format says (full: loaded
+        in place; lora: written as a PEFT adapter under `adapter_dir`, which the engine then serves);
+        returns (policy version, kind)."""
         received: list[tuple[str, torch.Tensor]] = []
         # The channel's views are valid only inside the callback: copy them out.
         transfer = self._rltools_receiver.receive(
             lambda pairs: received.extend((name, tensor.clone()) for name, tensor in pairs), timeout_s=timeout_s
         )
-        if transfer.kind == "full":
-            self.model_runner.reload_weights(weights_iterator=received)
-        elif self.rank == 0:
-            from safetensors.torch import save_file
-
-            target = Path(adapter_dir)
-            target.mkdir(parents=True, exist_ok=True)
-            save_file(dict(received), str(target / "adapter_model.safetensors"))
+        fmt = self._rltools_format
+        if transfer.kind != fmt.name:
+            raise RuntimeError(f"trainer rank 0 sent {transfer.kind} weights; this generator serves {fmt.name} "
+                               "(generator.weight_sync differs between the roles' configs)")
+        fmt.apply(self, received, Path(adapter_dir))
         return transfer.version, transfer.kind

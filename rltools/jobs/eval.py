@@ -6,11 +6,11 @@ problems, same per-problem seeds, same verifier) on the policy `resolve_checkpoi
 """
 
 import os
-from pathlib import Path
 
 from ..config.schema import RLConfig
 from ..paths import RunPaths
 from ..policy_exports import Policy, resolve_checkpoint
+from ..weight_formats import weight_format
 
 
 def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None, problems: int | None = None,
@@ -34,15 +34,13 @@ def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None,
 
 
 def open_policy(config: RLConfig, policy: Policy):
-    """A VLLMEngine serving `policy` the way the run's generators served it."""
+    """A VLLMEngine serving `policy` the way the run's generators served it: started as they were
+    (the run's weight format), then pointed at the export."""
     from ..generate.vllm_engine import VLLMEngine
 
-    if policy.kind == "full":
-        model = config.model.model_copy(update={"path": str(policy.path)})
-        return VLLMEngine(model, config.generator, config.run.seed, config.lora)
-    engine = VLLMEngine(config.model, config.generator, config.run.seed, config.lora)
-    if policy.kind == "lora":
-        from vllm.lora.request import LoRARequest
-
-        engine.lora_request = LoRARequest(f"eval-step-{policy.step}", 1, str(Path(policy.path)))
+    fmt = weight_format(config)
+    model = fmt.served_model(config.model, policy.path) if policy.path else config.model
+    engine = VLLMEngine(model, config.generator, config.run.seed, fmt)
+    if policy.path:
+        fmt.serve_export(engine, policy.path, policy.step)
     return engine

@@ -23,9 +23,10 @@ from .layout import is_nvfp4_config
 
 
 @contextmanager
-def served_checkpoint(model_path: str, on_gpu: bool, weight_sync: str):
-    """Yields the directory vLLM should load for the NVFP4 base stored (or to be quantised) at `model_path`."""
-    if on_gpu and weight_sync != "lora":
+def served_checkpoint(model_path: str, on_gpu: bool, dense_updates: bool):
+    """Yields the directory vLLM should load for the NVFP4 base stored (or to be quantised) at
+    `model_path`; `dense_updates`: the weight format loads dense tensors into the served layers."""
+    if on_gpu and dense_updates:
         raise ValueError(
             "model.quantization: nvfp4 on GPUs serves packed FP4 layers, which cannot load dense merged weights: "
             "set generator.weight_sync: lora"

@@ -12,14 +12,13 @@ Invariants:
   checked on read: a shard of another run, step, rank or format is refused, never trained on.
 """
 
-import os
 from pathlib import Path
 
 import h5py
 import numpy as np
 import xxhash
 
-from ..durable import fsync_path, naming
+from ..durable import atomic_path, fsync_path
 from .batch import RolloutBatch
 
 SCHEMA_VERSION = 1
@@ -32,30 +31,23 @@ class ShardError(RuntimeError):
 
 
 def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with naming(tmp), h5py.File(tmp, "w") as f:
-            f.attrs.update(
-                schema_version=SCHEMA_VERSION,
-                run_id=run_id,
-                step=step,
-                generator_rank=rank,
-                policy_version=batch.policy_version,
-                sample_count=len(batch),
-                generation_seconds=batch.generation_seconds,
-            )
-            for name, array in batch.arrays.items():
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs.update(
+            schema_version=SCHEMA_VERSION,
+            run_id=run_id,
+            step=step,
+            generator_rank=rank,
+            policy_version=batch.policy_version,
+            sample_count=len(batch),
+            generation_seconds=batch.generation_seconds,
+        )
+        for name, array in batch.arrays.items():
+            f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
+        if batch.texts is not None:  # UTF-8 bytes flat + offsets, like the token arrays
+            data, offsets = _pack_texts(batch.texts)
+            for name, array in ((TEXT_BYTES, data), (TEXT_OFFSETS, offsets)):
                 f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
-            if batch.texts is not None:  # UTF-8 bytes flat + offsets, like the token arrays
-                data, offsets = _pack_texts(batch.texts)
-                for name, array in ((TEXT_BYTES, data), (TEXT_OFFSETS, offsets)):
-                    f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
-        fsync_path(tmp)
-        os.replace(tmp, path)
-        fsync_path(path.parent)  # make the rename itself durable
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    fsync_path(path.parent)  # make the rename itself durable
 
 
 def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch:

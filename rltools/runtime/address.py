@@ -6,9 +6,10 @@ Readers poll with back-off until a deadline: a shared filesystem is not a messag
 """
 
 import json
-import os
 import time
 from pathlib import Path
+
+from ..durable import atomic_write
 
 
 class AddressTimeout(TimeoutError):
@@ -16,12 +17,7 @@ class AddressTimeout(TimeoutError):
 
 
 def publish_address(path: Path, host: str, port: int, attempt: int | str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"host": host, "port": port, "attempt": attempt}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"host": host, "port": port, "attempt": attempt}))
 
 
 def wait_for_address(path: Path, attempt: int | str, timeout_s: float, publisher: str) -> tuple[str, int]:

@@ -1,41 +1,49 @@
-"""The trainer backends (`trainer.backend`) behind one interface: what the role loop needs.
+"""The trainer backend interface (`trainer.backend`): what the role loop and the publisher call.
 
-Invariant: the loop sees only a `Backend`: the model and its Trainer, and the functions that export
-its weights (HF names) or adapters (PEFT names) and save or load its checkpoints — the same shapes
-and names whichever backend built them.
+Invariant: the loop sees only a `Backend`: one trainer rank's model and its Trainer, and how this
+backend exports the weights (HF names) or adapters (PEFT names) and saves or loads a checkpoint —
+the same names, shapes and checkpoint layout whichever backend built them, so a checkpoint written
+by one resumes on the other. Backends are chosen by name in `rltools.train.backends`.
 """
 
-from dataclasses import dataclass
-from typing import Callable
+import abc
+from pathlib import Path
+from types import ModuleType
+from typing import ClassVar, Iterable
 
 import torch
 
-from ..runtime.role_env import RoleEnv
-from . import checkpoints
-from .model import export_adapter, export_weights, load_policy, shard_model
 from .trainer import Trainer
 
-
-@dataclass
-class Backend:
-    model: torch.nn.Module
-    trainer: Trainer
-    export_weights: Callable  # (model, lora_scale) -> iterator of (HF name, full tensor); collective
-    export_adapter: Callable  # (model) -> iterator of (PEFT name, full tensor); collective
-    save: Callable  # as rltools.train.checkpoints.save
-    load: Callable  # as rltools.train.checkpoints.load
+Tensors = Iterable[tuple[str, torch.Tensor]]
 
 
-def build_backend(config, env: RoleEnv, device: torch.device, pad_id: int) -> Backend:
-    """The policy and its Trainer on this trainer rank (after the trainers' process group exists)."""
-    trainer_args = dict(micro_batch_size=config.trainer.micro_batch_size, max_new_tokens=config.generator.max_new_tokens,
-                        pad_id=pad_id, device=device, temperature=config.generator.temperature)
-    if config.trainer.backend == "megatron":
-        from .megatron.backend import build
+class Backend(abc.ABC):
+    def __init__(self, model: torch.nn.Module, trainer: Trainer, rank: int):
+        self.model, self.trainer, self.rank = model, trainer, rank
 
-        return build(config, env, trainer_args)
-    model = load_policy(config.model, config.lora, config.trainer.gradient_checkpointing).to(device)
-    if env.world_size > 1:
-        shard_model(model)
-    trainer = Trainer(model, config.algorithm, rank=env.rank, world_size=env.world_size, **trainer_args)
-    return Backend(model, trainer, export_weights, export_adapter, checkpoints.save, checkpoints.load)
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, config, env, trainer_args: dict) -> "Backend":
+        """The policy and its Trainer on this trainer rank (the trainers' process group exists)."""
+
+    @abc.abstractmethod
+    def export_weights(self, lora_scale: float | None) -> Tensors:
+        """(HF name, full tensor) of every weight, LoRA merged in with `lora_scale`; a collective:
+        every trainer rank iterates it."""
+
+    @abc.abstractmethod
+    def export_adapter(self) -> Tensors:
+        """(PEFT name, full tensor) of every LoRA weight, as in a saved PEFT adapter; a collective."""
+
+    checkpoints: ClassVar[ModuleType]
+    """The backend's `save(paths, step, model, optimizer, *, rank, keep)` and `load(...)`, which map
+    its model onto the one checkpoint layout (rltools.train.checkpoints)."""
+
+    def save(self, paths, step: int, keep: int) -> Path:
+        """Checkpoint after `step` steps (model and optimizer), keeping the newest `keep`; a collective."""
+        return self.checkpoints.save(paths, step, self.model, self.trainer.optimizer, rank=self.rank, keep=keep)
+
+    def load(self, paths, step: int) -> dict:
+        """Restore the checkpoint of `step`; returns its meta; a collective."""
+        return self.checkpoints.load(paths, step, self.model, self.trainer.optimizer, rank=self.rank)

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..durable import fsync_path, naming
+from ..durable import naming, publish_dir
 from ..paths import CHECKPOINT_MARKER, RunPaths
 from ..runtime import faults
 
@@ -88,9 +88,7 @@ def save(paths: RunPaths, step: int, model, optimizer, *, rank: int, keep: int) 
             shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, give the space back at once
         raise _named(err, tmp) from err
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # a marker-less leftover of the same step
-        os.replace(tmp, final)
-        fsync_path(paths.checkpoints)
+        publish_dir(tmp, final)  # replaces a marker-less leftover of the same step
         for old in list(paths.valid_checkpoints())[:-keep]:
             shutil.rmtree(paths.checkpoint_dir(old))
     barrier()

@@ -26,7 +26,8 @@ from ..runtime.role_env import RoleEnv
 from ..runtime.roles import eval_due
 from ..weight_sync import bound_store
 from . import checkpoints
-from .backend import Backend, build_backend
+from .backend import Backend
+from .backends import build_backend
 from .publish import Publisher
 
 log = logging.getLogger("rltools.trainer")
@@ -42,7 +43,7 @@ def run_trainer(run_dir: str) -> int:
     torch.manual_seed(config.run.seed)
     device = torch.device(f"cuda:{env.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        init_trainer_group(env, paths, timeout_s=config.generator.sync_timeout_s)
+        init_trainer_group(env, paths, timeout_s=config.trainer.sync_timeout_s)
         backend = build_backend(config, env, device, _pad_id(config.model.path))  # trainer.backend: fsdp2 | megatron
         store = RolloutStore(paths, paths.read_run_id(), keep_steps=config.schedule.keep_rollout_steps)
         return train(env, paths, config, backend, store, stop)
@@ -86,8 +87,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                                        "generation_s": batch.generation_seconds, "wait_s": waited,
                                        "training_s": trained, "sync_s": synced, "time": time.time()})
             if done % schedule.checkpoint_every == 0 or done == schedule.steps:
-                backend.save(paths, done, backend.model, backend.trainer.optimizer, rank=env.rank,
-                             keep=schedule.keep_checkpoints)
+                backend.save(paths, done, keep=schedule.keep_checkpoints)
                 checkpointed = done
             if env.rank == 0:  # one deleter: two ranks removing the same directory race (FileNotFoundError)
                 store.prune(consumed_through=step, checkpointed_through=checkpointed - 1)
@@ -117,7 +117,7 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
     checkpoints.barrier()
     start = paths.latest_checkpoint()
     if start:
-        backend.load(paths, start, backend.model, backend.trainer.optimizer, rank=env.rank)
+        backend.load(paths, start)
         log.info("resumed from %s: %d of %d steps done", paths.checkpoint_dir(start), start, config.schedule.steps)
     if env.rank == 0:
         resume_metrics(paths, start)
@@ -159,8 +159,7 @@ def stop_at_checkpoint(env, paths: RunPaths, config, backend: Backend, done: int
     """The end of a stopped run: checkpoint the steps done, requeue after the warning signal (also
     when it came during start-up, with nothing new to checkpoint)."""
     if paths.latest_checkpoint() < done:
-        backend.save(paths, done, backend.model, backend.trainer.optimizer, rank=env.rank,
-                     keep=config.schedule.keep_checkpoints)
+        backend.save(paths, done, keep=config.schedule.keep_checkpoints)
     log.warning("stopped on %s after %d of %d steps; checkpoint %s", signal_name, done, config.schedule.steps,
                 paths.checkpoint_dir(done))
     cluster = config.cluster

@@ -16,6 +16,7 @@ from ..runtime import faults
 from ..runtime.preempt import StopFlag
 from ..runtime.role_env import RoleEnv
 from ..runtime.roles import sync_backend, sync_world_size
+from ..weight_formats import weight_format
 from ..weight_sync import TensorStream, WeightSyncError
 from .backend import Backend
 
@@ -25,8 +26,7 @@ log = logging.getLogger("rltools.trainer")
 class Publisher:
     def __init__(self, env: RoleEnv, paths: RunPaths, config, backend: Backend, stop: StopFlag):
         self.env, self.config, self.backend, self.stop = env, config, backend, stop
-        self.kind = config.generator.weight_sync
-        self.lora_scale = config.lora.alpha / config.lora.rank if config.lora.enabled else None
+        self.format = weight_format(config)
         # Generators join only now (after the resume): they never see shards or checkpoints in flux.
         self.sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
 
@@ -34,19 +34,17 @@ class Publisher:
         """Broadcast `version`'s weights (collective over the trainer ranks); with `export_to`, rank 0
         also writes them there as a policy export while they pass."""
         faults.point("trainer.sync", version)
-        model = self.backend.model
-        weights = (self.backend.export_adapter(model) if self.kind == "lora"
-                   else self.backend.export_weights(model, self.lora_scale))
+        weights = self.format.export(self.backend)
         writer = None
         if export_to is not None and self.env.rank == 0:
-            writer = PolicyWriter(export_to, self.kind, self.config.model.path, self.config.lora, version)
+            writer = PolicyWriter(export_to, self.format, version)
             weights = _tee(weights, writer.add)
         if self.sender is None:
             for _ in weights:
                 pass
         else:
             try:
-                self.sender.broadcast(weights, version=version, kind=self.kind)
+                self.sender.broadcast(weights, version=version, kind=self.format.name)
             except WeightSyncError:
                 if not self.stop.requested:
                     raise

@@ -46,6 +46,7 @@ def reload_and_compare(tmp_path: Path, kind: str, device: torch.device, model_cf
     vLLM's samples and the trainer's policy before and after, and to the old policy after."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's worker runs in this process
     from rltools.generate.vllm_engine import VLLMEngine
+    from rltools.weight_formats import format_named
     from rltools.paths import RunPaths
     from rltools.train.model import export_adapter, export_weights, load_policy
     from tests.integration.test_trainer import logprob_gap
@@ -54,7 +55,7 @@ def reload_and_compare(tmp_path: Path, kind: str, device: torch.device, model_cf
     paths.create()
     generator = GeneratorConfig(max_new_tokens=6, weight_sync=kind, enforce_eager=True, gpu_memory_utilization=0.2,
                                 kv_cache_memory_bytes=64 * 2**20, sync_timeout_s=TIMEOUT_S)
-    engine = VLLMEngine(model_cfg, generator, seed=0, lora=LORA)
+    engine = VLLMEngine(model_cfg, generator, seed=0, fmt=format_named(kind, model_cfg.path, LORA))
     old = load_policy(model_cfg, LORA).to(device)  # LoRA B starts at zero: the base model
     before = logprob_gap(old, sampled(engine), device)
 

@@ -280,10 +280,11 @@ def test_adapter_export_loads_in_peft(layout, trained, tiny_model, tmp_path):
     from peft import PeftModel
 
     from rltools.policy_exports import save_policy
+    from rltools.weight_formats import LoraAdapter
 
     _, run = trained(layout)
     assert any(t.abs().sum() > 0 for n, t in run["adapter"].items() if "lora_B" in n)  # trained: B moved off 0
-    save_policy(tmp_path / "adapter", list(run["adapter"].items()), "lora", str(tiny_model), LORA, step=STEPS)
+    save_policy(tmp_path / "adapter", list(run["adapter"].items()), LoraAdapter(str(tiny_model), LORA), step=STEPS)
     base = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LoraConfig(enabled=False))
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter")
     ids, mask = _ids()

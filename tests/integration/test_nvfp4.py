@@ -92,7 +92,7 @@ def test_fsdp2_two_ranks_match_one_rank_on_an_nvfp4_base(tiny_model, tmp_path):
 
 
 def served_weights(model_path):
-    with served_checkpoint(str(model_path), on_gpu=False, weight_sync="full") as path:
+    with served_checkpoint(str(model_path), on_gpu=False, dense_updates=True) as path:
         source = Source(path)
         return [(n, source.get(n)) for n in source.names()]
 

@@ -33,12 +33,13 @@ def test_export_merges_lora_like_peft(tiny_model):
 def vllm_samples(tiny_model, prompts, n=4, model_cfg: ModelConfig | None = None, generator_cfg=None):
     from rltools.config.schema import GeneratorConfig
     from rltools.generate.vllm_engine import VLLMEngine
+    from rltools.weight_formats import FullWeights
 
     engine = VLLMEngine(
         model_cfg or ModelConfig(path=str(tiny_model), dtype="float32"),
         generator_cfg or GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20),
         seed=0,
-        lora=LoraConfig(rank=4, alpha=8),
+        fmt=FullWeights(str(tiny_model), LoraConfig(rank=4, alpha=8)),
     )
     results = engine.sample(prompts, n=n, seeds=list(range(len(prompts))))
     samples = [

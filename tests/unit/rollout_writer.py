@@ -11,6 +11,7 @@ import types
 
 import numpy as np
 
+import rltools.durable as durable
 import rltools.rollout.shard as shard
 from rltools.paths import RunPaths
 from rltools.rollout import RolloutStore
@@ -36,7 +37,7 @@ def main(run_dir: str, mode: str) -> None:
     if mode == "mid-dataset":  # three datasets written, the file still open
         shard._checksum = stall_on_call(shard._checksum, at=3)
     elif mode == "before-rename":  # complete and fsynced, not yet renamed
-        shard.os = types.SimpleNamespace(**{**vars(os), "replace": stall_on_call(os.replace, at=1)})
+        durable.os = types.SimpleNamespace(**{**vars(os), "replace": stall_on_call(os.replace, at=1)})
     paths = RunPaths(run_dir)
     store = RolloutStore(paths, paths.read_run_id())
     batch = random_batch(np.random.default_rng(0), n=64, max_len=4000)

@@ -14,6 +14,7 @@ from rltools.policy_exports import (
     save_policy,
 )
 from rltools.runtime.roles import eval_due
+from rltools.weight_formats import FullWeights, format_named
 
 
 def make_config(**schedule) -> RLConfig:
@@ -22,7 +23,7 @@ def make_config(**schedule) -> RLConfig:
 
 def export(paths, step, base, kind="full"):
     tensors = [("model.embed_tokens.weight", torch.full((2, 3), float(step)))]
-    save_policy(paths.policy_dir(step), tensors, kind, str(base), LoraConfig(rank=4, target_modules=["q_proj"]), step)
+    save_policy(paths.policy_dir(step), tensors, format_named(kind, str(base), LoraConfig(rank=4, target_modules=["q_proj"])), step)
 
 
 @pytest.fixture
@@ -39,11 +40,11 @@ def test_a_full_export_larger_than_a_shard_is_written_shard_by_shard(tmp_path, b
     """The trainer adds tensors as they are broadcast; each shard is written once it fills, so the
     writer holds one shard's tensors, and the result is a sharded HF checkpoint with its index."""
     target = tmp_path / "run" / "weights" / "step_3"
-    writer = PolicyWriter(target, "full", str(base), LoraConfig(), 3, shard_bytes=100)
+    writer = PolicyWriter(target, FullWeights(str(base), LoraConfig()), 3, shard_bytes=100)
     tensors = {f"model.layers.{i}.mlp.down_proj.weight": torch.full((4, 4), float(i)) for i in range(5)}  # 64 B each
     for i, (name, tensor) in enumerate(tensors.items()):
         writer.add(name, tensor)
-        assert len(writer.shards.batch) <= 1, "a full shard is written at once"
+        assert len(writer.files.shards.batch) <= 1, "a full shard is written at once"
     assert not target.exists(), "nothing a reader takes for a policy before close"
     writer.close()
     index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]

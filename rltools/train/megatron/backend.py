@@ -4,28 +4,38 @@
 import torch
 
 from ...errors import UserError
-from ..backend import Backend
+from ..backend import Backend, Tensors
 from . import checkpoints
 from .model import check_supported, export_adapter, export_weights, load_megatron_policy
 from .parallel import init_parallel
 from .trainer import MegatronTrainer
 
 
-def build(config, env, trainer_args: dict) -> Backend:
-    from transformers import AutoConfig
+class MegatronBackend(Backend):
+    checkpoints = checkpoints
 
-    t = config.trainer
-    hf_config = AutoConfig.from_pretrained(config.model.path, local_files_only=True)
-    check_supported(config, hf_config, env.world_size)
-    _require_cuda()
-    init_parallel(t.tensor_parallel, t.pipeline_parallel, config.run.seed)
-    from megatron.core import parallel_state
+    @classmethod
+    def build(cls, config, env, trainer_args: dict) -> "MegatronBackend":
+        from transformers import AutoConfig
 
-    policy = load_megatron_policy(config.model, config.lora, t.gradient_checkpointing).to(trainer_args["device"])
-    # the TP and PP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
-    trainer = MegatronTrainer(policy, config.algorithm, rank=parallel_state.get_data_parallel_rank(),
-                              world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)
-    return Backend(policy, trainer, export_weights, export_adapter, checkpoints.save, checkpoints.load)
+        t = config.trainer
+        hf_config = AutoConfig.from_pretrained(config.model.path, local_files_only=True)
+        check_supported(config, hf_config, env.world_size)
+        _require_cuda()
+        init_parallel(t.tensor_parallel, t.pipeline_parallel, config.run.seed)
+        from megatron.core import parallel_state
+
+        policy = load_megatron_policy(config.model, config.lora, t.gradient_checkpointing).to(trainer_args["device"])
+        # the TP and PP ranks of one replica train on the same samples: the Trainer splits the step data-parallel
+        trainer = MegatronTrainer(policy, config.algorithm, rank=parallel_state.get_data_parallel_rank(),
+                                  world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)
+        return cls(policy, trainer, env.rank)
+
+    def export_weights(self, lora_scale: float | None) -> Tensors:
+        return export_weights(self.model, lora_scale)
+
+    def export_adapter(self) -> Tensors:
+        return export_adapter(self.model)
 
 
 def _require_cuda() -> None:

@@ -9,11 +9,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import load_config
-from .errors import UserError
-from .launch.plan import describe, plan
-from .launch.run_dir import prepare_run_dir
-from .launch.sbatch import render_sbatch
+from ..config import load_config
+from ..errors import UserError
+from ..launch.plan import describe, plan
+from ..launch.run_dir import prepare_run_dir
+from ..launch.sbatch import render_sbatch
+from .eval import cmd_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,8 +146,8 @@ def cmd_submit(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from .launch.run_dir import recorded_run_dir
-    from .monitor.status import open_run
+    from ..launch.run_dir import recorded_run_dir
+    from ..monitor.status import open_run
 
     paths = open_run(args.run_dir)
     others = [o for o in args.overrides if not o.startswith("cluster.")]
@@ -171,11 +172,11 @@ def cmd_resume(args) -> int:
 def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...] = ()) -> int:
     """Check what the job will read, lock and prepare its run directory, and run the job with its
     launcher (its trainers resume from the latest checkpoint there, if any)."""
-    from .launch.preflight import preflight
-    from .launch.run_dir import create_run_dir
-    from .launch.run_lock import RunLock
-    from .launch.run_lock import describe as describe_holder
-    from .launch.slurm import refuse_if_active
+    from ..launch.preflight import preflight
+    from ..launch.run_dir import create_run_dir
+    from ..launch.run_lock import RunLock
+    from ..launch.run_lock import describe as describe_holder
+    from ..launch.slurm import refuse_if_active
 
     preflight(config)
     local = config.cluster.launcher == "local"
@@ -188,18 +189,18 @@ def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...]
         prepare_run_dir(config, script, may_change)
         print(describe(config, plan(config)), file=sys.stderr)
         if local:
-            from .launch.local import run_local
-            from .monitor.progress import Progress
+            from ..launch.local import run_local
+            from ..monitor.progress import Progress
 
             return run_local(config, paths, lock, Progress(config, paths))  # built before the children start
     return _submit_to_slurm(config, paths, wait)  # the job script holds the lock while the job runs
 
 
 def _submit_to_slurm(config, paths, wait: bool) -> int:
-    from .jobs.common import run_submitted
-    from .launch.slurm import submit_job
-    from .monitor.progress import Progress
-    from .monitor.status import format_status, wait_for_end
+    from ..jobs.common import run_submitted
+    from ..launch.slurm import submit_job
+    from ..monitor.progress import Progress
+    from ..monitor.status import format_status, wait_for_end
 
     progress = Progress(config, paths) if wait else None  # before the job: all it writes is new
     job = submit_job(config, paths, run_submitted)
@@ -215,9 +216,9 @@ def _submit_to_slurm(config, paths, wait: bool) -> int:
 
 
 def cmd_render(args) -> int:
-    from .launch.preflight import preflight
-    from .launch.run_dir import create_run_dir
-    from .launch.run_lock import RunLock
+    from ..launch.preflight import preflight
+    from ..launch.run_dir import create_run_dir
+    from ..launch.run_lock import RunLock
 
     config = load_config(args.config, args.overrides)
     script = render_sbatch(config)
@@ -236,7 +237,7 @@ def cmd_render(args) -> int:
 def cmd_status(args) -> int:
     import json
 
-    from .monitor.status import format_status, open_run, run_status
+    from ..monitor.status import format_status, open_run, run_status
 
     status = run_status(open_run(args.run_dir))
     print(json.dumps(status.to_json()) if args.json else format_status(status))
@@ -244,8 +245,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from .monitor.logs import show_logs
-    from .monitor.status import open_run
+    from ..monitor.logs import show_logs
+    from ..monitor.status import open_run
 
     if args.rank is not None and args.role is None:
         raise UserError("--rank needs --role (generator or trainer): both roles have a rank 0")
@@ -257,8 +258,8 @@ def cmd_logs(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from .launch.slurm import ACTIVE, cancel_job
-    from .monitor.status import open_run, wait_for_end
+    from ..launch.slurm import ACTIVE, cancel_job
+    from ..monitor.status import open_run, wait_for_end
 
     paths = open_run(args.run_dir)
     if not paths.job_id_file.exists():
@@ -271,84 +272,19 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .monitor.status import open_run
-    from .plot import plot_run
+    from ..monitor.status import open_run
+    from ..plot import plot_run
 
     plot_run(open_run(args.run_dir), args.output)
     print(f"wrote {args.output}")
     return 0
 
 
-def cmd_eval(args) -> int:
-    import contextlib
-    import json
-
-    from .paths import RunPaths
-
-    if args.target.is_dir():
-        if args.overrides:
-            raise UserError("--set applies to a CONFIG file; a run directory is evaluated with the config it ran with")
-        paths = RunPaths(args.target)
-        config = load_config(paths.config)
-    else:
-        config = load_config(args.target, args.overrides)
-        paths = RunPaths(config.run.dir)  # its exports, if that run exists; base needs none
-    for flag, value in (("--k", args.k), ("--problems", args.problems)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
-    if (args.where or config.cluster.launcher) == "slurm":
-        result = _eval_on_slurm(config, paths, args)
-    else:
-        from .jobs.eval import (
-            run_eval,  # light itself; vLLM is imported only once the checkpoint is found
-        )
-
-        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
-            result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(
-        f"{result['checkpoint']} (step {result['step']}): avg@{result['k']} {result['avg_at_k']:.3f} "
-        f"(+- {result['stderr']:.3f}, {result['n_problems']} problems) | pass@{result['k']} {result['pass_at_k']:.3f} "
-        f"pass@1 {result['pass_at_1']:.3f} | completion tokens mean {result['mean_completion_tokens']:.1f} "
-        f"max {result['max_completion_tokens']}, truncated {100 * result['truncated_fraction']:.1f}% | {result['seconds']:.1f} s"
-    )
-    print(_per_problem(result["per_problem_accuracy"], result["k"]))
-    return 0
-
-
-def _eval_on_slurm(config, paths, args) -> dict:
-    import submitit
-
-    from .jobs.eval import run_eval
-    from .launch.slurm import submit_eval_job
-    from .policy_exports import resolve_checkpoint
-
-    resolve_checkpoint(paths, args.checkpoint)  # a wrong name fails here, not in the queue
-    job = submit_eval_job(config, paths, run_eval, args.checkpoint, args.k, args.problems)
-    print(f"submitted eval job {job.job_id} (log: {job.paths.stdout}); waiting for it", file=sys.stderr)
-    try:
-        return job.result()
-    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-        raise UserError(f"eval job {job.job_id} failed; its log {job.paths.stdout}:\n{err}") from None
-
-
-def _per_problem(accuracy: list[float], k: int) -> str:
-    """Each problem's accuracy for short sets (AIME: 30), else how many problems got j of k right."""
-    if len(accuracy) <= 40:
-        return "per-problem accuracy: " + " ".join(f"{a:.2f}" for a in accuracy)
-    counts = [0] * (k + 1)
-    for a in accuracy:
-        counts[round(a * k)] += 1
-    return "problems by correct samples: " + ", ".join(f"{j}/{k}: {c}" for j, c in enumerate(counts) if c)
-
-
 def cmd_bench(args) -> int:
     import json
 
     if args.kind == "handoff":
-        from .bench.handoff import run_handoff_bench
+        from ..bench.handoff import run_handoff_bench
 
         result = run_handoff_bench(repeats=args.repeats, directory=args.dir)
         summary = (
@@ -356,7 +292,7 @@ def cmd_bench(args) -> int:
             f"{result['reference_mb_s']} MB/s, ratio {result['ratio']}; p50 visible {result['p50_visible_s']} s"
         )
     elif args.kind == "step":
-        from .bench.step import run_step_bench
+        from ..bench.step import run_step_bench
 
         result = run_step_bench(steps=args.steps)
         summary = (
@@ -364,7 +300,7 @@ def cmd_bench(args) -> int:
             f"ratio {result['ratio']}"
         )
     elif args.kind == "generate":
-        from .bench.generate import run_generate_bench
+        from ..bench.generate import run_generate_bench
 
         result = run_generate_bench()
         summary = (
@@ -372,7 +308,7 @@ def cmd_bench(args) -> int:
             f"tokens/s, ratio {result['ratio']}"
         )
     else:
-        from .bench.weights import run_weights_bench
+        from ..bench.weights import run_weights_bench
 
         result = run_weights_bench(total_mb=args.mb, receivers=args.receivers, backend=args.backend)
         summary = (
@@ -387,7 +323,7 @@ def cmd_bench(args) -> int:
 def cmd_quantize(args) -> int:
     if not (args.model_dir / "config.json").exists():
         raise UserError(f"{args.model_dir}: not a Hugging Face model directory (no config.json)")
-    from .quant.nvfp4_checkpoint import quantize_checkpoint
+    from ..quant.nvfp4_checkpoint import quantize_checkpoint
 
     try:
         summary = quantize_checkpoint(

@@ -1,0 +1,74 @@
+"""`rltools eval`: one policy of a run, evaluated here (vLLM in this process) or as a Slurm job.
+
+Invariant: light at import, like the rest of the command line; stdout carries the result only.
+"""
+
+import sys
+
+from ..config import load_config
+from ..errors import UserError
+
+
+def cmd_eval(args) -> int:
+    import contextlib
+    import json
+
+    from ..paths import RunPaths
+
+    if args.target.is_dir():
+        if args.overrides:
+            raise UserError("--set applies to a CONFIG file; a run directory is evaluated with the config it ran with")
+        paths = RunPaths(args.target)
+        config = load_config(paths.config)
+    else:
+        config = load_config(args.target, args.overrides)
+        paths = RunPaths(config.run.dir)  # its exports, if that run exists; base needs none
+    for flag, value in (("--k", args.k), ("--problems", args.problems)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if (args.where or config.cluster.launcher) == "slurm":
+        result = _eval_on_slurm(config, paths, args)
+    else:
+        from ..jobs.eval import (
+            run_eval,  # light itself; vLLM is imported only once the checkpoint is found
+        )
+
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
+            result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"{result['checkpoint']} (step {result['step']}): avg@{result['k']} {result['avg_at_k']:.3f} "
+        f"(+- {result['stderr']:.3f}, {result['n_problems']} problems) | pass@{result['k']} {result['pass_at_k']:.3f} "
+        f"pass@1 {result['pass_at_1']:.3f} | completion tokens mean {result['mean_completion_tokens']:.1f} "
+        f"max {result['max_completion_tokens']}, truncated {100 * result['truncated_fraction']:.1f}% | {result['seconds']:.1f} s"
+    )
+    print(_per_problem(result["per_problem_accuracy"], result["k"]))
+    return 0
+
+
+def _eval_on_slurm(config, paths, args) -> dict:
+    import submitit
+
+    from ..jobs.eval import run_eval
+    from ..launch.slurm import submit_eval_job
+    from ..policy_exports import resolve_checkpoint
+
+    resolve_checkpoint(paths, args.checkpoint)  # a wrong name fails here, not in the queue
+    job = submit_eval_job(config, paths, run_eval, args.checkpoint, args.k, args.problems)
+    print(f"submitted eval job {job.job_id} (log: {job.paths.stdout}); waiting for it", file=sys.stderr)
+    try:
+        return job.result()
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+        raise UserError(f"eval job {job.job_id} failed; its log {job.paths.stdout}:\n{err}") from None
+
+
+def _per_problem(accuracy: list[float], k: int) -> str:
+    """Each problem's accuracy for short sets (AIME: 30), else how many problems got j of k right."""
+    if len(accuracy) <= 40:
+        return "per-problem accuracy: " + " ".join(f"{a:.2f}" for a in accuracy)
+    counts = [0] * (k + 1)
+    for a in accuracy:
+        counts[round(a * k)] += 1
+    return "problems by correct samples: " + ", ".join(f"{j}/{k}: {c}" for j, c in enumerate(counts) if c)

@@ -1,0 +1,25 @@
+"""`trainer.backend: fsdp2`: a Hugging Face model (with peft adapters), sharded data-parallel by
+FSDP2 over two or more trainer ranks; one rank runs it unsharded."""
+
+from . import checkpoints
+from .backend import Backend, Tensors
+from .model import export_adapter, export_weights, load_policy, shard_model
+from .trainer import Trainer
+
+
+class FSDP2Backend(Backend):
+    checkpoints = checkpoints
+
+    @classmethod
+    def build(cls, config, env, trainer_args: dict) -> "FSDP2Backend":
+        model = load_policy(config.model, config.lora, config.trainer.gradient_checkpointing).to(trainer_args["device"])
+        if env.world_size > 1:
+            shard_model(model)
+        trainer = Trainer(model, config.algorithm, rank=env.rank, world_size=env.world_size, **trainer_args)
+        return cls(model, trainer, env.rank)
+
+    def export_weights(self, lora_scale: float | None) -> Tensors:
+        return export_weights(self.model, lora_scale)
+
+    def export_adapter(self) -> Tensors:
+        return export_adapter(self.model)

@@ -1,0 +1,193 @@
+"""What `generator.weight_sync` means, one object per kind: the only place that knows the kinds.
+
+A format owns every side of one kind of policy update:
+- what the trainer exports (`export`: merged HF weights, or the PEFT adapter),
+- how vLLM is started for it (`engine_args`) and whether its layers take dense tensors in place
+  (`dense`: packed FP4 layers cannot),
+- how each vLLM worker applies a received message (`apply`) and how the generator then serves it
+  (`serve`),
+- the files of a policy export (`export_writer`) and how `rltools eval` serves one (`serve_export`).
+
+Invariant: call sites ask the format; nobody compares `generator.weight_sync` or a message's kind
+with a string. The PEFT adapter files (weights and adapter_config.json) are written in one place,
+`write_adapter`, by one process, for the generators and for policy exports alike. A format is plain
+data (picklable): vLLM hands it to its workers.
+"""
+
+import abc
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Iterable
+
+from .config.schema import LoraConfig, ModelConfig
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class WeightFormat(abc.ABC):
+    base_model: str
+    """The base model's directory (model.path): its config and tokenizer go with a full export."""
+    lora: LoraConfig
+    """The run's LoRA settings (rank, alpha, target modules)."""
+
+    name: ClassVar[str]
+    """The `generator.weight_sync` value and the kind carried by each weight-sync message."""
+    dense: ClassVar[bool]
+    """Whether the generators load dense tensors into the served layers in place."""
+    whole_model: ClassVar[bool]
+    """Whether an export is a complete model (large: `eval.keep_full_exports` bounds how many stay)."""
+
+    @abc.abstractmethod
+    def export(self, backend) -> Iterable:
+        """(name, tensor) pairs of the trainer's current policy, as sent; a trainer collective."""
+
+    def engine_args(self) -> dict:
+        """Extra vLLM engine arguments."""
+        return {}
+
+    @abc.abstractmethod
+    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
+        """Inside each vLLM worker: take a received message (every worker receives all of it)."""
+
+    def serve(self, engine, adapter_dir: Path, version: int) -> None:
+        """In the generator process, once every worker applied version `version`."""
+
+    @abc.abstractmethod
+    def export_writer(self, directory: Path, shard_bytes: int) -> "ExportWriter":
+        """Writes a policy export's files into `directory` as its tensors arrive."""
+
+    def served_model(self, model: ModelConfig, export: Path) -> ModelConfig:
+        """The model vLLM loads to serve the export at `export` (`rltools eval`)."""
+        return model
+
+    def serve_export(self, engine, export: Path, step: int) -> None:
+        """Point `engine` (started on `served_model`) at the export of `step`."""
+
+
+class ExportWriter(abc.ABC):
+    @abc.abstractmethod
+    def add(self, name: str, tensor) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class FullWeights(WeightFormat):
+    """Merged weights under the checkpoint's names, loaded into vLLM's layers in place."""
+
+    name, dense, whole_model = "full", True, True
+
+    def export(self, backend) -> Iterable:
+        return backend.export_weights(self.lora.alpha / self.lora.rank if self.lora.enabled else None)
+
+    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
+        worker.model_runner.reload_weights(weights_iterator=tensors)
+
+    def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
+        return _ModelWriter(directory, self.base_model, shard_bytes)
+
+    def served_model(self, model: ModelConfig, export: Path) -> ModelConfig:
+        return model.model_copy(update={"path": str(export)})
+
+
+class LoraAdapter(WeightFormat):
+    """The LoRA weights alone, served by vLLM as a PEFT adapter over the frozen base."""
+
+    name, dense, whole_model = "lora", False, False
+
+    def export(self, backend) -> Iterable:
+        return backend.export_adapter()
+
+    def engine_args(self) -> dict:
+        return {"enable_lora": True, "max_lora_rank": self.lora.rank, "max_loras": 1}
+
+    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
+        if worker.rank == 0:  # one writer; the engine reads the adapter once all workers returned
+            write_adapter(adapter_dir, dict(tensors), self.lora, self.base_model)
+
+    def serve(self, engine, adapter_dir: Path, version: int) -> None:
+        previous = engine.lora_request
+        engine.lora_request = _lora_request(f"policy-v{version}", version, adapter_dir)  # a new id: vLLM reloads
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
+        return _AdapterWriter(directory, self)
+
+    def serve_export(self, engine, export: Path, step: int) -> None:
+        engine.lora_request = _lora_request(f"eval-step-{step}", 1, export)
+
+
+FORMATS: dict[str, type[WeightFormat]] = {f.name: f for f in (FullWeights, LoraAdapter)}
+
+
+def weight_format(config) -> WeightFormat:
+    """The run's format (`generator.weight_sync`)."""
+    return format_named(config.generator.weight_sync, config.model.path, config.lora)
+
+
+def format_named(name: str, base_model: str, lora: LoraConfig) -> WeightFormat:
+    return FORMATS[name](base_model, lora)
+
+
+def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
+    """adapter_config.json of an adapter trained with `lora` (what vLLM and peft read)."""
+    return {
+        "peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "target_modules": list(lora.target_modules), "bias": "none", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+    }
+
+
+def write_adapter(directory: Path, tensors: dict, lora: LoraConfig, base_model: str) -> None:
+    """A PEFT adapter directory: the weights and their adapter_config.json."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS))
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(peft_adapter_config(lora, base_model)))
+
+
+def _lora_request(name: str, lora_id: int, path: Path):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, str(path))
+
+
+class _ModelWriter(ExportWriter):
+    """A complete Hugging Face model: safetensors shards written as they fill (the trainer never holds
+    the whole model for them), then the base model's config, generation config and tokenizer files."""
+
+    def __init__(self, directory: Path, base_model: str, shard_bytes: int):
+        from .safetensors_shards import ShardWriter
+
+        self.directory, self.base_model = directory, base_model
+        self.shards = ShardWriter(directory, shard_bytes)
+
+    def add(self, name: str, tensor) -> None:
+        self.shards.add(name, tensor)
+
+    def close(self) -> None:
+        self.shards.close()
+        for source in Path(self.base_model).iterdir():
+            if source.is_file() and not source.name.endswith(_WEIGHT_SUFFIXES) and not source.name.endswith(".index.json"):
+                shutil.copy2(source, self.directory / source.name)
+
+
+class _AdapterWriter(ExportWriter):
+    """A PEFT adapter (small: kept in memory until `close`)."""
+
+    def __init__(self, directory: Path, fmt: LoraAdapter):
+        self.directory, self.fmt, self.tensors = directory, fmt, {}
+
+    def add(self, name: str, tensor) -> None:
+        self.tensors[name] = tensor.detach().contiguous().cpu()
+
+    def close(self) -> None:
+        write_adapter(self.directory, self.tensors, self.fmt.lora, self.fmt.base_model)

@@ -1,0 +1,95 @@
+"""The two named seams of docs/architecture.md: trainer backends and weight formats are chosen by name
+in one place each, cover exactly the values the config accepts, and nobody else tests the names."""
+
+import ast
+import inspect
+import json
+import pickle
+import typing
+from pathlib import Path
+
+import torch
+
+from rltools.config.schema import (
+    GeneratorConfig,
+    LoraConfig,
+    ModelConfig,
+    TrainerConfig,
+)
+from rltools.train.backend import Backend
+from rltools.train.backends import BACKENDS
+from rltools.weight_formats import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    FORMATS,
+    FullWeights,
+    LoraAdapter,
+    format_named,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+LORA = LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+
+
+def choices(model, field: str) -> set[str]:
+    return set(typing.get_args(model.model_fields[field].annotation))
+
+
+def test_every_trainer_backend_the_config_accepts_is_registered_and_complete():
+    assert set(BACKENDS) == choices(TrainerConfig, "backend")
+    for name, load in BACKENDS.items():
+        cls = load()
+        assert issubclass(cls, Backend) and not inspect.isabstract(cls), name
+
+
+def test_every_weight_sync_kind_is_one_complete_format():
+    assert set(FORMATS) == choices(GeneratorConfig, "weight_sync")
+    for name, cls in FORMATS.items():
+        assert cls.name == name and not inspect.isabstract(cls)
+        fmt = format_named(name, "/models/base", LORA)
+        assert pickle.loads(pickle.dumps(fmt)) == fmt  # vLLM hands it to its workers
+
+
+def test_no_module_outside_the_formats_compares_a_weight_sync_kind():
+    """`x == "lora"` / `"full" != kind` anywhere but weight_formats.py (and the config's own validation)."""
+    found = []
+    for path in sorted((ROOT / "rltools").rglob("*.py")):
+        if path.name == "weight_formats.py" or path.parent.name == "config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                strings = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                if {"full", "lora"} & set(strings):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
+
+
+def test_the_lora_format_writes_one_complete_peft_adapter(tmp_path):
+    fmt = LoraAdapter("/models/base", LORA)
+    assert fmt.engine_args() == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    assert not fmt.dense and not fmt.whole_model
+
+    class Worker:
+        rank = 0
+
+    tensors = [("base_model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(8, 4))]
+    fmt.apply(Worker(), tensors, tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (8, 16, ["q_proj", "v_proj"])
+    assert config["base_model_name_or_path"] == "/models/base"
+    Worker.rank = 1  # every TP worker receives the adapter; only rank 0 writes it
+    fmt.apply(Worker(), tensors, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_the_full_format_exports_merged_weights_and_serves_the_export_as_the_model(tmp_path):
+    class Exports:
+        def export_weights(self, lora_scale):
+            return [("scale", lora_scale)]
+
+    assert FullWeights("/b", LORA).export(Exports()) == [("scale", 2.0)]  # alpha / rank
+    assert FullWeights("/b", LoraConfig(enabled=False)).export(Exports()) == [("scale", None)]
+    model = ModelConfig(path="/b", dtype="float32")
+    assert FullWeights("/b", LORA).served_model(model, tmp_path).path == str(tmp_path)
+    assert LoraAdapter("/b", LORA).served_model(model, tmp_path) is model  # the base, with the adapter on top
