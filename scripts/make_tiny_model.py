@@ -66,7 +66,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llama", layers: int | None = None):
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llama", layers: int | None = None,
+                dense_layers: int = 1):
     common = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=MAX_LEN, bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -75,7 +76,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llam
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers or 4, **common))
     config = DeepseekV3Config(
-        num_hidden_layers=layers or 3, first_k_dense_replace=1, moe_intermediate_size=96, n_routed_experts=8,
+        num_hidden_layers=layers or 3, first_k_dense_replace=dense_layers, moe_intermediate_size=96, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
         kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, **common)
     config.topk_method = "noaux_tc"  # vLLM creates e_score_correction_bias only for this method
