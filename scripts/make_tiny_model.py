@@ -79,7 +79,9 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llam
         num_hidden_layers=layers or 3, first_k_dense_replace=dense_layers, moe_intermediate_size=96, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
         kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, **common)
-    config.topk_method = "noaux_tc"  # vLLM creates e_score_correction_bias only for this method
+    # What transformers' DeepseekV3 computes, spelled out for vLLM, which reads both keys: the
+    # score-correction bias exists only for noaux_tc, and scoring defaults to softmax.
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"
     return DeepseekV3ForCausalLM(config)
 
 

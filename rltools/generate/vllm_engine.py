@@ -64,6 +64,23 @@ def _cpu_mla_rotary(model_path: str) -> dict:
     return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 
 
+def _routing_as_transformers(model_path: str) -> dict:
+    """transformers' DeepseekV3 always routes with sigmoid scores plus the score-correction bias,
+    whatever config.json says; vLLM reads `scoring_func` (default softmax) and `topk_method` (no bias
+    unless noaux_tc) from it. A checkpoint saved by transformers carries neither key, so vLLM would
+    route other experts than the trainer: fill in what transformers computes (measured: mean
+    logprob gap on a tiny MoE with sharp weights 0.48 without, see tests/integration/test_moe.py)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("model_type") != "deepseek_v3":
+        return {}
+    missing = {key: value for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"))
+               if key not in config}
+    return {"hf_overrides": missing} if missing else {}
+
+
 class VLLMEngine:
     def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, fmt: WeightFormat):
         from vllm import LLM
@@ -76,6 +93,7 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
         kwargs.update(fmt.engine_args())
         kwargs.update(_cpu_mla_rotary(model.path))
+        kwargs.update(_routing_as_transformers(model.path))
         with self._checkpoint(model) as path:
             self.llm = LLM(
                 model=path,

@@ -154,11 +154,11 @@ with unittest.mock.patch.object(vllm_engine, "_cpu_mla_rotary", lambda path: {})
 """
 
 
-def test_vllm_cpu_serves_sharp_mla_weights_as_transformers_computes_them(repo, tmp_path):
-    """Near-zero random weights make every model look alike; sharp ones expose the attention. The
-    control runs vLLM's rotary kernel (in a process of its own: vLLM picks its ops once a process),
-    which mis-rotates MLA's slices. With routed experts the gap stays above float noise (printed;
-    routing replay is the next step), so MLA is checked alone."""
+def test_vllm_cpu_serves_sharp_mla_and_moe_weights_as_transformers_computes_them(repo, tmp_path):
+    """Near-zero random weights make every model look alike; sharp ones expose attention and routing.
+    The control runs vLLM's rotary kernel (in a process of its own: vLLM picks its ops once a process),
+    which mis-rotates MLA's slices. The MoE checkpoint's config.json lacks scoring_func and
+    topk_method, as one saved by transformers does: the engine routes as transformers does anyway."""
     import os
     import subprocess
     import sys
@@ -169,10 +169,14 @@ def test_vllm_cpu_serves_sharp_mla_weights_as_transformers_computes_them(repo, t
                              cwd=repo, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert control.returncode == 0, control.stderr[-2000:]
     kernel = float(control.stdout.split()[-1])
-    moe = gap_on_sharp_weights(make_moe(tmp_path / "moe", init_std=0.3))
+    moe = make_moe(tmp_path / "moe", init_std=0.3)
+    config_file = Path(moe.path) / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({k: v for k, v in config.items() if k not in ("scoring_func", "topk_method")}))
+    routed = gap_on_sharp_weights(moe)
     print(f"mean |transformers - vLLM| logprob on sharp weights: MLA {fixed:.2e} (vLLM's rotary kernel: "
-          f"{kernel:.2e}); MLA + MoE {moe:.2e}")
-    assert fixed < 1e-3
+          f"{kernel:.2e}); MLA + MoE {routed:.2e}")
+    assert fixed < 1e-3 and routed < 1e-3
     assert kernel > 0.1, "vllm-cpu's rotary kernel now handles MLA: drop _cpu_mla_rotary"
 
 
