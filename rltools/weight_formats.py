@@ -26,6 +26,7 @@ from .config.schema import LoraConfig, ModelConfig
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ class LoraAdapter(WeightFormat):
         return backend.export_adapter()
 
     def engine_args(self) -> dict:
-        return {"enable_lora": True, "max_lora_rank": self.lora.rank, "max_loras": 1}
+        # vLLM sizes its LoRA buffers for one of a few ranks and refuses any other value
+        fits = [rank for rank in VLLM_LORA_RANKS if rank >= self.lora.rank] or [self.lora.rank]
+        return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
     def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
         if worker.rank == 0:  # one writer; the engine reads the adapter once all workers returned

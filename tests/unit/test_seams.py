@@ -67,6 +67,8 @@ def test_no_module_outside_the_formats_compares_a_weight_sync_kind():
 def test_the_lora_format_writes_one_complete_peft_adapter(tmp_path):
     fmt = LoraAdapter("/models/base", LORA)
     assert fmt.engine_args() == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    for rank, served in ((4, 8), (24, 32), (320, 320)):  # vLLM takes only its own sizes: the next one up
+        assert LoraAdapter("/b", LoraConfig(rank=rank)).engine_args()["max_lora_rank"] == served
     assert not fmt.dense and not fmt.whole_model
 
     class Worker:
@@ -93,3 +95,11 @@ def test_the_full_format_exports_merged_weights_and_serves_the_export_as_the_mod
     model = ModelConfig(path="/b", dtype="float32")
     assert FullWeights("/b", LORA).served_model(model, tmp_path).path == str(tmp_path)
     assert LoraAdapter("/b", LORA).served_model(model, tmp_path) is model  # the base, with the adapter on top
+
+
+def test_the_lora_ranks_are_the_ones_vllm_accepts():
+    from vllm.config.lora import MaxLoRARanks
+
+    from rltools.weight_formats import VLLM_LORA_RANKS
+
+    assert typing.get_args(MaxLoRARanks) == VLLM_LORA_RANKS
