@@ -101,17 +101,27 @@ pids_by_comm() {
     echo "${out[*]:-}"
 }
 
-# launch NAME CMD...: start CMD in the foreground mode of the daemon, detached
-# in its own session, and record its PID.  setsid execs directly (we are not a
-# process-group leader), so $! is the daemon's own PID - no PID-file race.
+# launch NAME COMM CMD...: start CMD in the foreground mode of the daemon,
+# detached in its own session, and record its PID.  setsid (and setpriv) exec
+# directly (we are not a process-group leader), so $! becomes the daemon's own
+# PID - but only once those execs are done: for a few milliseconds its command
+# name is still "bash" or "setsid", and tracked_pid would take the daemon for
+# dead and drop its record.  So wait until the PID shows COMM (or is gone).
 # In foreground mode the daemons echo their log to stderr as well; that copy
 # is truncated on each launch and mainly catches errors from before the log
 # file is opened (e.g. config parse errors).
 launch() {
-    local name="$1"; shift
+    local name="$1" comm="$2"; shift 2
     mkdir -p "$STATE_DIR" "$LOG_DIR"
     setsid "$@" </dev/null >"$LOG_DIR/$name.stderr" 2>&1 &
-    echo "$!" >"$STATE_DIR/$name.pid"
+    local pid=$! i now
+    echo "$pid" >"$STATE_DIR/$name.pid"
+    for ((i = 0; i < 100; i++)); do
+        now="$(cat "/proc/$pid/comm" 2>/dev/null || true)"
+        [[ "$now" == "$comm" || -z "$now" ]] && return 0
+        sleep 0.05
+    done
+    die "$name (pid $pid) did not exec $comm within 5 s; see $LOG_DIR/$name.stderr"
 }
 
 # stop_pids NAME=PID...: SIGTERM all at once (each daemon takes ~2 s to shut
@@ -264,7 +274,7 @@ ensure_munge() {
     # Run as the unprivileged munge user like the packaged service; setpriv
     # execs (no extra fork), so the recorded PID is munged itself.  In the
     # foreground (-F) munged logs to stderr only, i.e. $LOG_DIR/munged.stderr.
-    launch munged setpriv --reuid=munge --regid=munge --init-groups -- /usr/sbin/munged -F
+    launch munged munged setpriv --reuid=munge --regid=munge --init-groups -- /usr/sbin/munged -F
     local i
     for ((i = 0; i < 100; i++)); do
         munge_ok && return 0
@@ -414,7 +424,7 @@ start_slurmctld() {
     log "starting slurmctld"
     mkdir -p "$CTLD_STATE_DIR"
     # -D: stay in the foreground so launch() records the real PID.
-    launch slurmctld /usr/sbin/slurmctld -D
+    launch slurmctld slurmctld /usr/sbin/slurmctld -D
 }
 
 wait_for_ctld() {
@@ -441,7 +451,7 @@ start_slurmds() {
         slurmd_pid "$n" >/dev/null && continue
         log "starting slurmd -N $n"
         mkdir -p "$SLURMD_SPOOL_ROOT/$n"
-        launch "slurmd-$n" /usr/sbin/slurmd -D -N "$n"
+        launch "slurmd-$n" slurmd /usr/sbin/slurmd -D -N "$n"
     done
 }
 
