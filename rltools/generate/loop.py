@@ -50,7 +50,8 @@ def run_generator(run_dir: str) -> None:
 
 
 def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
-    engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config))
+    engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config),
+                        routing_replay=config.algorithm.routing_replay)
     engine.join_weight_sync(
         paths, sync_rank_base(config, env.rank), sync_world_size(config), env.attempt, sync_backend()
     )
@@ -94,6 +95,7 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
                 sample_index=j,
                 finish_reason=c.finish_reason,
                 text=c.text,
+                routed_experts=c.routed_experts,
             )
             for i, result in zip(share, results)
             for j, c in enumerate(result.completions)

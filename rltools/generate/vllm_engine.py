@@ -12,12 +12,16 @@ Invariants:
 - An NVFP4 base (`model.quantization: nvfp4`) is served as `quant.serving` decides: the FP4
   checkpoint on GPUs, its dequantised copy (the trainer's exact weights) on CPU.
 - An MLA model (DeepSeek-V3 class) on CPU uses vLLM's PyTorch rotary embedding (`_cpu_mla_rotary`).
+- With routing replay each completion carries the experts vLLM routed its sequence's tokens to
+  (`enable_return_routed_experts`, GPU only: it needs vLLM's model runner V2, which needs triton).
 """
 
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ..config.schema import GeneratorConfig, ModelConfig
 from ..paths import RunPaths
@@ -34,6 +38,7 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: FinishReason
+    routed_experts: np.ndarray | None = None  # [prompt + completion - 1, MoE layers, top-k] (routing replay)
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,32 @@ def _routing_as_transformers(config: dict) -> dict:
     return {"hf_overrides": missing} if missing else {}
 
 
+def _routing_replay(config: dict) -> tuple[dict, list[int]]:
+    """vLLM's arguments to return each token's routed experts (its model runner V2 captures them), and
+    the MoE layers among the model's layers (DeepSeek-V3: all after the first `first_k_dense_replace`)."""
+    import os
+
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    layers = config["num_hidden_layers"]
+    return {"enable_return_routed_experts": True}, list(range(config.get("first_k_dense_replace", 0), layers))
+
+
+def _moe_routes(routes, prompt_len: int, completion_len: int, moe_layers: list[int]) -> np.ndarray:
+    """vLLM's routed experts of one sequence as the rollout stores them: a row for every token the
+    model ran (prompt + completion - 1), a column for every MoE layer."""
+    rows = prompt_len + completion_len - 1
+    routes = np.asarray(routes)
+    if routes.ndim != 3 or routes.shape[0] < rows:
+        raise RuntimeError(f"routing replay: vLLM returned routed experts of shape {routes.shape} for a sequence of "
+                           f"{prompt_len} prompt and {completion_len} completion tokens")
+    if routes.shape[1] != len(moe_layers):  # one column per layer, dense layers included
+        routes = routes[:, moe_layers]
+    return routes[:rows].astype(np.int16)
+
+
 class VLLMEngine:
-    def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, fmt: WeightFormat):
+    def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, fmt: WeightFormat,
+                 routing_replay: bool = False):
         from vllm import LLM
 
         self.config = generator
@@ -89,6 +118,10 @@ class VLLMEngine:
         model_config = json.loads((Path(model.path) / "config.json").read_text())
         kwargs.update(_cpu_mla_rotary(model_config))
         kwargs.update(_routing_as_transformers(model_config))
+        self.moe_layers = None  # with routing replay: the MoE layers whose routes the rollouts carry
+        if routing_replay:
+            replay, self.moe_layers = _routing_replay(model_config)
+            kwargs.update(replay)
         with self._checkpoint(model) as path:
             self.llm = LLM(
                 model=path,
@@ -141,12 +174,19 @@ class VLLMEngine:
                         logprobs=[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
                         text=c.text,
                         finish_reason=_FINISH.get(c.finish_reason, FinishReason.ABORT),
+                        routed_experts=None if self.moe_layers is None else _moe_routes(
+                            c.routed_experts, len(out.prompt_token_ids), len(c.token_ids), self.moe_layers),
                     )
                     for c in out.outputs
                 ],
             )
             for out in outputs
         ]
+
+    def load_weights_file(self, file: Path) -> None:
+        """Load a safetensors file of checkpoint-named tensors into the served layers in place."""
+        self.llm.collective_rpc("rltools_load_weights", args=(str(file),))
+        self.llm.reset_prefix_cache()
 
     # -- weight sync ------------------------------------------------------------------------
     def join_weight_sync(self, paths: RunPaths, first_rank: int, world_size: int, attempt: str, backend: str) -> None:

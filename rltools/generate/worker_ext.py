@@ -29,9 +29,9 @@ class WeightSyncExtension:
         return rank
 
     def rltools_receive_weights(self, timeout_s: float, adapter_dir: str) -> tuple[int, str]:
-        """Receive one weight message from trainer rank 0 and apply it as its format says (full: loaded
-        in place; lora: written as a PEFT adapter under `adapter_dir`, which the engine then serves);
-        returns (policy version, kind)."""
+        """Receive one weight message from trainer rank 0 and apply it as its format says (full,
+        adapted: loaded in place; lora: written as a PEFT adapter under `adapter_dir`, which the engine
+        then serves); returns (policy version, kind)."""
         received: list[tuple[str, torch.Tensor]] = []
         # The channel's views are valid only inside the callback: copy them out.
         transfer = self._rltools_receiver.receive(
@@ -45,6 +45,18 @@ class WeightSyncExtension:
         if fmt.dense:
             _repack_cpu_experts(self.model_runner.model, {name for name, _ in received})
         return transfer.version, transfer.kind
+
+    def rltools_load_weights(self, file: str) -> int:
+        """Load the checkpoint-named tensors of a safetensors file into the served layers in place (a
+        policy export of the adapted layers, for `rltools eval`); returns how many."""
+        from safetensors.torch import load_file
+
+        from ..weight_formats import reload_in_place
+
+        tensors = list(load_file(file).items())
+        reload_in_place(self, tensors)
+        _repack_cpu_experts(self.model_runner.model, {name for name, _ in tensors})
+        return len(tensors)
 
 
 def _repack_cpu_experts(model: torch.nn.Module, names: set[str]) -> int:

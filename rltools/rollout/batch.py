@@ -4,6 +4,11 @@ Invariant: ragged token arrays are stored flat with offsets (`ids[offsets[i]:off
 sample i), completion logprobs are aligned one-to-one with completion tokens, and every per-sample
 array has one entry per sample. The constructor checks this, so a batch read from disk or built
 by a generator is consistent or is not built at all.
+
+Routed experts (MoE models with `algorithm.routing_replay`) are optional: for sample i,
+`routed_experts[routed_offsets[i]:routed_offsets[i+1]]` [positions, MoE layers, top-k] holds the
+experts the generator routed each token it ran through the model to: every prompt token and every
+completion token but the last (which was sampled, never run), so prompt + completion - 1 rows.
 """
 
 import enum
@@ -31,6 +36,7 @@ class Sample:
     sample_index: int
     finish_reason: FinishReason
     text: str | None = None
+    routed_experts: np.ndarray | None = None  # [prompt + completion - 1, MoE layers, top-k]
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +53,8 @@ class RolloutBatch:
     policy_version: int  # weights version that generated the batch
     texts: tuple[str, ...] | None = None  # completion texts, for debugging
     generation_seconds: float = 0.0  # wall time the generator spent producing the batch
+    routed_experts: np.ndarray | None = None  # int16 [total routed positions, MoE layers, top-k]
+    routed_offsets: np.ndarray | None = None  # int64 [n + 1]
 
     DTYPES = {
         "prompt_ids": np.int32,
@@ -77,6 +85,17 @@ class RolloutBatch:
                 raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
         if self.texts is not None and len(self.texts) != n:
             raise ValueError(f"RolloutBatch.texts has {len(self.texts)} entries for {n} samples")
+        if (self.routed_experts is None) != (self.routed_offsets is None):
+            raise ValueError("RolloutBatch.routed_experts and routed_offsets come together")
+        if self.routed_experts is not None:
+            routes, offsets = self.routed_experts, self.routed_offsets
+            if routes.dtype != np.int16 or routes.ndim != 3 or offsets.dtype != np.int64 or len(offsets) != n + 1:
+                raise ValueError("RolloutBatch.routed_experts: expected int16 [positions, layers, top-k] with int64 "
+                                 "offsets, one per sample and one more")
+            expected = np.diff(self.prompt_offsets) + np.diff(self.completion_offsets) - 1
+            if offsets[0] != 0 or offsets[-1] != len(routes) or not np.array_equal(np.diff(offsets), expected):
+                raise ValueError("RolloutBatch.routed_experts: each sample needs one row per prompt token and per "
+                                 "completion token but the last")
 
     def __len__(self) -> int:
         return len(self.prompt_offsets) - 1
@@ -94,6 +113,10 @@ class RolloutBatch:
     def logprobs(self, i: int) -> np.ndarray:
         return self.completion_logprobs[self.completion_offsets[i] : self.completion_offsets[i + 1]]
 
+    def routes(self, i: int) -> np.ndarray:
+        """Sample i's routed experts [prompt + completion - 1, MoE layers, top-k]."""
+        return self.routed_experts[self.routed_offsets[i] : self.routed_offsets[i + 1]]
+
     def __eq__(self, other) -> bool:
         if not isinstance(other, RolloutBatch):
             return NotImplemented
@@ -101,6 +124,8 @@ class RolloutBatch:
             self.policy_version == other.policy_version
             and self.texts == other.texts
             and all(np.array_equal(a, b) for a, b in zip(self.arrays.values(), other.arrays.values()))
+            and (self.routed_experts is None) == (other.routed_experts is None)
+            and (self.routed_experts is None or np.array_equal(self.routed_experts, other.routed_experts))
         )
 
     @classmethod
@@ -115,6 +140,10 @@ class RolloutBatch:
         completion_ids, completion_offsets = flat("completion_ids", np.int32)
         logprobs, _ = flat("completion_logprobs", np.float32)
         texts = [s.text for s in samples]
+        routed = {}
+        if samples and all(s.routed_experts is not None for s in samples):
+            experts, offsets = flat("routed_experts", np.int16)
+            routed = {"routed_experts": experts, "routed_offsets": offsets}
         return cls(
             prompt_ids=prompt_ids,
             prompt_offsets=prompt_offsets,
@@ -128,6 +157,7 @@ class RolloutBatch:
             policy_version=policy_version,
             texts=tuple(texts) if all(t is not None for t in texts) and samples else None,
             generation_seconds=generation_seconds,
+            **routed,
         )
 
     @classmethod
@@ -137,7 +167,9 @@ class RolloutBatch:
         if len(versions) != 1:
             raise ValueError(f"cannot concatenate rollouts of policy versions {sorted(versions)}")
         joined = {}
-        for name in cls.DTYPES:
+        names = [*cls.DTYPES, *(("routed_experts", "routed_offsets") if all(b.routed_experts is not None for b in batches)
+                                else ())]
+        for name in names:
             if name.endswith("_offsets"):
                 starts = np.cumsum([0] + [getattr(b, name)[-1] for b in batches[:-1]])
                 parts = [getattr(b, name)[1:] + start for b, start in zip(batches, starts)]

@@ -24,6 +24,7 @@ from .batch import RolloutBatch
 SCHEMA_VERSION = 1
 CHECKSUM = "xxh3_64"
 TEXT_BYTES, TEXT_OFFSETS = "text_bytes", "text_offsets"
+ROUTES = ("routed_experts", "routed_offsets")  # optional, like the texts
 
 
 class ShardError(RuntimeError):
@@ -47,6 +48,10 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
             data, offsets = _pack_texts(batch.texts)
             for name, array in ((TEXT_BYTES, data), (TEXT_OFFSETS, offsets)):
                 f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
+        if batch.routed_experts is not None:
+            for name in ROUTES:
+                array = getattr(batch, name)
+                f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
     fsync_path(path.parent)  # make the rename itself durable
 
 
@@ -59,13 +64,14 @@ def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch
             if TEXT_BYTES in f:
                 data, offsets = _read_checked(path, f, TEXT_BYTES), _read_checked(path, f, TEXT_OFFSETS)
                 texts = tuple(data[a:b].tobytes().decode() for a, b in zip(offsets[:-1], offsets[1:]))
+            routes = {name: _read_checked(path, f, name) for name in ROUTES if ROUTES[0] in f}
             policy_version, sample_count = int(f.attrs["policy_version"]), int(f.attrs["sample_count"])
             seconds = float(f.attrs.get("generation_seconds", 0.0))
     except (OSError, KeyError) as err:
         raise ShardError(f"{path}: not a readable rollout shard ({err}); `rltools resume` of the run deletes it and "
                          "its generator writes it again") from err
     try:
-        batch = RolloutBatch(**arrays, policy_version=policy_version, texts=texts, generation_seconds=seconds)
+        batch = RolloutBatch(**arrays, **routes, policy_version=policy_version, texts=texts, generation_seconds=seconds)
     except ValueError as err:
         raise ShardError(f"{path}: inconsistent rollout shard: {err}") from err
     if len(batch) != sample_count:

@@ -28,9 +28,10 @@ class Backend(abc.ABC):
         """The policy and its Trainer on this trainer rank (the trainers' process group exists)."""
 
     @abc.abstractmethod
-    def export_weights(self, lora_scale: float | None) -> Tensors:
-        """(HF name, full tensor) of every weight, LoRA merged in with `lora_scale`; a collective:
-        every trainer rank iterates it."""
+    def export_weights(self, lora_scale: float | None, modules: frozenset[str] | None = None) -> Tensors:
+        """(HF name, full tensor) of every weight, LoRA merged in with `lora_scale`; with `modules`, only
+        the weights of the modules so named (`fused_layers.module_of`). A collective: every trainer
+        rank iterates it."""
 
     @abc.abstractmethod
     def export_adapter(self) -> Tensors:

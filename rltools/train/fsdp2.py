@@ -18,8 +18,8 @@ class FSDP2Backend(Backend):
         trainer = Trainer(model, config.algorithm, rank=env.rank, world_size=env.world_size, **trainer_args)
         return cls(model, trainer, env.rank)
 
-    def export_weights(self, lora_scale: float | None) -> Tensors:
-        return export_weights(self.model, lora_scale)
+    def export_weights(self, lora_scale: float | None, modules: frozenset[str] | None = None) -> Tensors:
+        return export_weights(self.model, lora_scale, modules)
 
     def export_adapter(self) -> Tensors:
         return export_adapter(self.model)

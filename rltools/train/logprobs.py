@@ -7,6 +7,9 @@ roughly G x prompt length — most of a step's compute when completions are shor
 
 Invariant: completion token j of sample i is scored by the logits that predict it (the prompt's
 last position for j = 0), so the result aligns one-to-one with `RolloutBatch.completion_logprobs`.
+
+A batch that carries routed experts (routing replay, `train.routing`) is packed with them laid out
+like the two forwards' token ids; each forward's routers then pick those experts.
 """
 
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ import numpy as np
 import torch
 
 from ..rollout import RolloutBatch
+from .routing import forced_routes
 
 
 @dataclass
@@ -25,6 +29,8 @@ class Packed:
     completion_ids: torch.Tensor  # [B, T] right-padded
     mask: torch.Tensor  # [B, T] 1 for real completion tokens (float)
     old_logprobs: torch.Tensor  # [B, T] the generator's logprobs
+    prompt_routes: torch.Tensor | None = None  # [P, Lp, MoE layers, top-k] experts of each prompt token
+    completion_routes: torch.Tensor | None = None  # [B, T, MoE layers, top-k] of each completion token run
 
 
 def pack(batch: RolloutBatch, indices: np.ndarray, pad_id: int, device: torch.device) -> Packed:
@@ -46,10 +52,31 @@ def pack(batch: RolloutBatch, indices: np.ndarray, pad_id: int, device: torch.de
         mask[row, :c] = 1.0
         old[row, :c] = batch.logprobs(i)
     as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    routes = _routes(batch, indices, rows, prompt_of, width, steps) if batch.routed_experts is not None else (None, None)
     return Packed(
         as_tensor(prompt_ids), as_tensor(prompt_mask), as_tensor(np.array(prompt_of, dtype=np.int64)),
-        as_tensor(completion_ids), as_tensor(mask), as_tensor(old),
+        as_tensor(completion_ids), as_tensor(mask), as_tensor(old), *(None if r is None else as_tensor(r) for r in routes),
     )
+
+
+def _routes(batch: RolloutBatch, indices, rows: dict, prompt_of: list, width: int, steps: int):
+    """The samples' routed experts laid out as `pack` lays out the tokens: a prompt's from its first
+    sample (they share it), completion token j's (as input) from row len(prompt) + j. Padding, and the
+    last completion token (sampled, never run by the generator, and predicting nothing here), take
+    experts 0..k-1: their outputs reach no scored token."""
+    layers, top_k = batch.routed_experts.shape[1:]
+    filler = np.broadcast_to(np.arange(top_k, dtype=np.int64), (layers, top_k))
+    prompt_routes = np.tile(filler, (len(rows), width, 1, 1))
+    completion_routes = np.tile(filler, (len(indices), steps, 1, 1))
+    done = set()
+    for slot, i in enumerate(indices):
+        routes, prompt_len = batch.routes(i), len(batch.prompt(i))
+        if prompt_of[slot] not in done:
+            done.add(prompt_of[slot])
+            prompt_routes[prompt_of[slot], width - prompt_len:] = routes[:prompt_len]
+        ran = routes[prompt_len:]  # completion tokens 0 .. c-2
+        completion_routes[slot, : len(ran)] = ran
+    return prompt_routes, completion_routes
 
 
 def completion_logprobs(model, packed: Packed, temperature: float = 1.0, with_entropy: bool = False):
@@ -59,25 +86,31 @@ def completion_logprobs(model, packed: Packed, temperature: float = 1.0, with_en
     then compares the distribution that was actually sampled.
     """
     positions = (packed.prompt_mask.cumsum(1) - 1).clamp(min=0)
-    prompt = model(
-        input_ids=packed.prompt_ids, attention_mask=packed.prompt_mask, position_ids=positions, use_cache=True
-    )
+    with forced_routes(model, _flat(packed.prompt_routes)):
+        prompt = model(
+            input_ids=packed.prompt_ids, attention_mask=packed.prompt_mask, position_ids=positions, use_cache=True
+        )
     cache = prompt.past_key_values
     cache.reorder_cache(packed.prompt_of)  # differentiable gather: one cache row per sample
     lengths = packed.prompt_mask.sum(1)[packed.prompt_of]
     steps = packed.completion_ids.shape[1]
     attention = torch.cat([packed.prompt_mask[packed.prompt_of], packed.mask.to(packed.prompt_mask.dtype)], dim=1)
     attention[:, packed.prompt_mask.shape[1]] = 1  # a sample with an empty completion still has one query
-    completion = model(
-        input_ids=packed.completion_ids,
-        attention_mask=attention,
-        position_ids=lengths.unsqueeze(1) + torch.arange(steps, device=lengths.device),
-        past_key_values=cache,
-        use_cache=True,
-    )
+    with forced_routes(model, _flat(packed.completion_routes)):
+        completion = model(
+            input_ids=packed.completion_ids,
+            attention_mask=attention,
+            position_ids=lengths.unsqueeze(1) + torch.arange(steps, device=lengths.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
     first = prompt.logits[:, -1][packed.prompt_of].unsqueeze(1)  # predicts completion token 0
     logits = torch.cat([first, completion.logits[:, :-1]], dim=1)
     return token_logprobs(logits, packed.completion_ids, temperature, with_entropy)
+
+
+def _flat(routes: torch.Tensor | None) -> torch.Tensor | None:
+    return None if routes is None else routes.flatten(0, 1)  # [rows x columns, MoE layers, top-k]
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config.schema import LoraConfig, ModelConfig
+from ..fused_layers import module_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PEFT_PREFIX = "base_model.model."
@@ -105,17 +106,19 @@ def checkpoint_layers(model: nn.Module) -> None:
         raise ValueError(f"{type(_hf_model(model)).__name__}: no decoder layers found (_no_split_modules) to "
                          "checkpoint; set trainer.gradient_checkpointing: false")
     for layer in layers:
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
+        layer.forward = functools.partial(_checkpointed_forward, layer, layer.forward)
 
 
-def _checkpointed_forward(forward, *args, **kwargs):
+def _checkpointed_forward(layer, forward, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
+
+    from .routing import pinned
 
     if not torch.is_grad_enabled():  # reference and evaluation passes: nothing is saved anyway
         return forward(*args, **kwargs)
     if kwargs.get("past_key_values") is not None:
         kwargs["past_key_values"] = _ReplayCache(kwargs["past_key_values"])
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(pinned(layer, forward), *args, use_reentrant=False, **kwargs)  # replayed routes too
 
 
 class _ReplayCache:
@@ -144,16 +147,24 @@ def shard_model(model: nn.Module, mesh=None) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def export_weights(model: nn.Module, lora_scale: float | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight, LoRA merged in. Collective under FSDP2: every trainer
-    rank must iterate it; the tensors are complete on all of them.
+def export_weights(model: nn.Module, lora_scale: float | None,
+                   modules: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight, LoRA merged in; with `modules`, only the weights of the
+    modules so named (`fused_layers.module_of`). Collective under FSDP2: every trainer rank must
+    iterate it; the tensors are complete on all of them.
 
     Gathers one full state dict: fine for models whose full weights are synced; for very large
     models sync the LoRA adapters instead.
     """
     state = _full_state_dict(model)
-    if any(name.endswith(".weight_packed") for name in state):
+    if modules is not None:
+        state = {name: tensor for name, tensor in state.items()
+                 if _LORA_WEIGHT.fullmatch(name) or module_of(name.replace(".base_layer.", ".")) in modules}
+    if any(name.endswith("weight_packed") for name in state):
+        from ..quant.linear import unstack_experts
         from ..quant.nvfp4_checkpoint import dequantized_state
+
+        state = unstack_experts(state)  # packed routed experts: one triple per expert, as stored
 
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not FP8
         state = dict(dequantized_state(iter(state.items()), dtype))

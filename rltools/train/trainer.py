@@ -47,6 +47,9 @@ class Trainer:
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         if len(batch) % self.world_size:
             raise ValueError(f"{len(batch)} samples do not split evenly over {self.world_size} trainer ranks")
+        if self.algorithm.routing_replay and batch.routed_experts is None:
+            raise ValueError("algorithm.routing_replay: these rollouts carry no routed experts (their generator ran "
+                             "without routing replay: the two roles' configs differ)")
         advantages, metrics = group_advantages(
             torch.from_numpy(batch.rewards), torch.from_numpy(batch.group_ids), scale_by_std=self.algorithm.type == "grpo"
         )

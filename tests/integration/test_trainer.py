@@ -130,15 +130,15 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str,
         dist.destroy_process_group()
 
 
-def train_one_and_two_ranks(model_path, tmp_path, lora: LoraConfig = LORA) -> tuple[dict, dict]:
+def train_one_and_two_ranks(model_path, tmp_path, lora: LoraConfig = LORA, quantization: str = "none") -> tuple[dict, dict]:
     """One step of the same batches on one trainer rank and on two FSDP2 ranks."""
     import socket
 
-    _train_one_step(0, 1, str(model_path), 0, str(tmp_path / "single.pt"), lora=lora)
+    _train_one_step(0, 1, str(model_path), 0, str(tmp_path / "single.pt"), quantization, lora=lora)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spawn(_train_one_step, args=(2, str(model_path), port, str(tmp_path / "fsdp.pt"), "none", False, lora), nprocs=2)
+    spawn(_train_one_step, args=(2, str(model_path), port, str(tmp_path / "fsdp.pt"), quantization, False, lora), nprocs=2)
     return torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "fsdp.pt")
 
 

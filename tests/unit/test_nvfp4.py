@@ -128,3 +128,23 @@ def test_shared_global_scale_is_used_as_given():
 def test_input_dim_must_be_a_multiple_of_16():
     with pytest.raises(ValueError, match="multiple of 16"):
         quantize(torch.randn(4, 24))
+
+
+def test_the_packed_linear_keeps_no_dense_weight_for_backward():
+    """The trainer's NVFP4 layers dequantise in forward and again in backward: what autograd keeps
+    between them is the packed weight, never its dense copy, and the gradient is the dense one's."""
+    from rltools.quant.linear import packed_linear
+
+    torch.manual_seed(0)
+    weight = quantize(torch.randn(48, 64))
+    dense = dequantize(*weight)
+    x = torch.randn(5, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = packed_linear(x, *weight)
+    assert not [t for t in saved if t.is_floating_point() and t.numel() == dense.numel()]  # nor its transpose
+    out.square().sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(reference, dense).square().sum().backward()
+    assert torch.equal(out, torch.nn.functional.linear(reference, dense))
+    assert torch.allclose(x.grad, reference.grad, rtol=1e-6, atol=1e-6)

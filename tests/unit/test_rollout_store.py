@@ -87,6 +87,39 @@ def test_concat_keeps_every_sample():
         RolloutBatch.concat([random_batch(rng, 2, version=1), random_batch(rng, 2, version=2)])
 
 
+def routed_batch(rng: np.random.Generator, n: int, layers: int = 2, top_k: int = 2) -> RolloutBatch:
+    """A batch whose samples carry the experts each token ran through (routing replay)."""
+    batch = random_batch(rng, n)
+    samples = [Sample(batch.prompt(i), batch.completion(i), batch.logprobs(i), 0.0, i, 0, FinishReason.STOP,
+                      routed_experts=rng.integers(0, 64, (len(batch.prompt(i)) + len(batch.completion(i)) - 1, layers,
+                                                          top_k)))
+               for i in range(n)]
+    return RolloutBatch.from_samples(samples, policy_version=1)
+
+
+def test_routed_experts_travel_with_their_samples(store):
+    """Routing replay: each sample's routes (one row per prompt token and per completion token but the
+    last) survive the shard, its checksum and a concat, and a batch whose routes do not fit is refused."""
+    rng = np.random.default_rng(2)
+    parts = [routed_batch(rng, n) for n in (3, 5)]
+    path = store.write(4, 0, parts[0])
+    back = store.read(4, 0)
+    assert back == parts[0] and back.routed_experts.dtype == np.int16
+    assert all(np.array_equal(back.routes(i), parts[0].routes(i)) for i in range(3))
+    joined = RolloutBatch.concat(parts)
+    assert np.array_equal(joined.routes(4), parts[1].routes(1))
+    assert RolloutBatch.concat([parts[0], random_batch(rng, 2, version=1)]).routed_experts is None
+    with pytest.raises(ValueError, match="one row per prompt token"):
+        RolloutBatch(**parts[0].arrays, policy_version=1, routed_experts=parts[0].routed_experts[1:],
+                     routed_offsets=parts[0].routed_offsets - np.minimum(parts[0].routed_offsets, 1))
+    with pytest.raises(ValueError, match="come together"):
+        RolloutBatch(**parts[0].arrays, policy_version=1, routed_experts=parts[0].routed_experts)
+    with h5py.File(path, "r+") as f:
+        f["routed_experts"][0, 0, 0] += 1
+    with pytest.raises(ShardError, match="dataset routed_experts fails its checksum"):
+        store.read(4, 0)
+
+
 WRITER = os.path.join(os.path.dirname(__file__), "rollout_writer.py")
 
 

@@ -16,12 +16,14 @@ from rltools.config.schema import (
     ModelConfig,
     TrainerConfig,
 )
+from rltools.fused_layers import FUSED, module_of
 from rltools.train.backend import Backend
 from rltools.train.backends import BACKENDS
 from rltools.weight_formats import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     FORMATS,
+    AdaptedLayers,
     FullWeights,
     LoraAdapter,
     format_named,
@@ -59,7 +61,7 @@ def test_no_module_outside_the_formats_compares_a_weight_sync_kind():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
                 strings = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
-                if {"full", "lora"} & set(strings):
+                if set(FORMATS) & set(strings):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == []
 
@@ -103,3 +105,33 @@ def test_the_lora_ranks_are_the_ones_vllm_accepts():
     from rltools.weight_formats import VLLM_LORA_RANKS
 
     assert typing.get_args(MaxLoRARanks) == VLLM_LORA_RANKS
+
+
+def test_the_adapted_format_sends_the_adapted_layers_and_their_fused_partners_merged():
+    """A vLLM layer fused from several projections is rebuilt from what a reload receives: all of its
+    parts travel (tests/integration/test_moe.py shows the damage of half a fused layer)."""
+    from rltools.train.fsdp2 import FSDP2Backend
+    from rltools.train.model import export_weights, load_policy
+
+    torch.set_num_threads(1)
+    assert module_of("model.layers.0.self_attn.q_proj.weight") == "q_proj" and module_of("lm_head.weight") == "lm_head"
+    fmt = AdaptedLayers("/b", LoraConfig(rank=4, alpha=8, target_modules=["v_proj", "down_proj"]))
+    assert fmt.modules() == {"q_proj", "k_proj", "v_proj", "down_proj"} and fmt.dense and not fmt.whole_model
+    model = ModelConfig(path=str(ROOT / "rltools" / "assets" / "tiny-arith"), dtype="float32")
+    policy = load_policy(model, fmt.lora)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.01)
+    sent = dict(fmt.export(FSDP2Backend(policy, trainer=None, rank=0)))
+    full = dict(export_weights(policy, 2.0))
+    assert {module_of(name) for name in sent} == fmt.modules()
+    assert set(sent) == {name for name in full if module_of(name) in fmt.modules()}
+    assert all(torch.equal(sent[name], full[name]) for name in sent)  # merged as full merges them
+
+
+def test_the_fused_projections_are_the_ones_vllm_fuses():
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    fused = {tuple(parts) for parts in LlamaForCausalLM.packed_modules_mapping.values()}
+    assert fused <= set(FUSED)

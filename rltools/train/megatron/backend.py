@@ -31,8 +31,8 @@ class MegatronBackend(Backend):
                                   world_size=parallel_state.get_data_parallel_world_size(), **trainer_args)
         return cls(policy, trainer, env.rank)
 
-    def export_weights(self, lora_scale: float | None) -> Tensors:
-        return export_weights(self.model, lora_scale)
+    def export_weights(self, lora_scale: float | None, modules: frozenset[str] | None = None) -> Tensors:
+        return export_weights(self.model, lora_scale, modules)
 
     def export_adapter(self) -> Tensors:
         return export_adapter(self.model)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ...config.schema import LoraConfig, ModelConfig
 from ...errors import UserError
+from ...fused_layers import module_of
 from ...weight_sync import TensorStream
 from . import convert
 from .lora import FUSED, LoraParallelLinear, split_dim
@@ -298,8 +299,10 @@ def load_adapter(policy: MegatronPolicy, tensors: dict[str, torch.Tensor]) -> No
                     target.copy_(full if dim is None else full.chunk(size, dim=dim)[rank])
 
 
-def export_weights(policy: MegatronPolicy, lora_scale: float | None = None) -> TensorStream:
-    """(HF name, full tensor) of every weight with the LoRA deltas merged, one Megatron weight at a
+def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
+                   modules: frozenset[str] | None = None) -> TensorStream:
+    """(HF name, full tensor) of every weight with the LoRA deltas merged (with `modules`, of the
+    Megatron weights holding a module so named, `fused_layers.module_of`), one Megatron weight at a
     time: gathered over TP, merged, split into its HF tensors, yielded on rank 0 (sent there from a
     later pipeline stage), dropped; so no rank holds the whole model, and the weight sender, which
     knows every tensor's name, dtype and shape up front (the stream's specs), need not either.
@@ -316,6 +319,8 @@ def export_weights(policy: MegatronPolicy, lora_scale: float | None = None) -> T
             name = policy.global_name(local.replace(".base.weight", ".weight"))
             if name not in names:
                 continue  # the LoRA matrices themselves, or the untied copy of a tied embedding
+            if modules is not None and not any(module_of(hf_name) in modules for hf_name in names[name]):
+                continue
             dim = convert.split_dim(name)
             if meta:
                 full = _full_on_meta(param, dim)
