@@ -115,8 +115,16 @@ def generator_signals(preempt_signal: str) -> None:
 
 
 def requeue(job_id: str) -> None:
-    """Put the job (the hetjob leader: the only id Slurm can requeue) back in the queue."""
-    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    if result.returncode != 0:
-        raise RuntimeError(f"scontrol requeue {job_id} failed: {result.stderr.strip()}")
-    log.warning("requeued job %s: it restarts from the checkpoint", job_id)
+    """Put the job (the hetjob leader: the only id Slurm can requeue) back in the queue.
+
+    The requeue sends SIGTERM to every task of the job, this one included, possibly before
+    `scontrol` returns: it is ignored meanwhile, so the process gets to say what it did (the
+    checkpoint is written; it exits right after)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise RuntimeError(f"scontrol requeue {job_id} failed: {result.stderr.strip()}")
+        log.warning("requeued job %s: it restarts from the checkpoint", job_id)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
