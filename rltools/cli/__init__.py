@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant = commands.add_parser("quantize", help="convert a Hugging Face checkpoint to NVFP4 (compressed-tensors)")
     quant.add_argument("model_dir", type=Path, help="Hugging Face model directory (safetensors, bf16/fp16/fp32)")
     quant.add_argument("-o", "--output", type=Path, required=True, help="new output directory")
-    quant.add_argument("--format", choices=["nvfp4"], default="nvfp4", help="target format (default: nvfp4)")
+    quant.add_argument("--format", choices=["nvfp4", "nvfp4-experts-fp8"], default="nvfp4",
+                       help="nvfp4: every eligible linear NVFP4 (default); nvfp4-experts-fp8: a MoE's routed experts "
+                       "NVFP4, its other linears FP8, as the public NVFP4 MoE checkpoints are laid out")
     quant.add_argument(
         "--ignore", action="append", default=[], metavar="PATTERN",
         help="keep matching linear layers in high precision: a module name or re:REGEX (repeatable); "
@@ -338,7 +340,8 @@ def cmd_quantize(args) -> int:
 
     try:
         summary = quantize_checkpoint(
-            args.model_dir, args.output, ignore=args.ignore, shard_bytes=int(args.shard_gb * 1e9), progress=not args.quiet
+            args.model_dir, args.output, ignore=args.ignore, shard_bytes=int(args.shard_gb * 1e9), progress=not args.quiet,
+            fp8_outside_experts=args.format == "nvfp4-experts-fp8",
         )
     except ValueError as err:
         raise UserError(str(err)) from err

@@ -1,6 +1,7 @@
 """NVFP4Linear: a frozen linear layer that keeps its weight packed (4.5 bits per parameter) and
-dequantises it on the fly in forward; NVFP4Experts, the same for a MoE layer's routed experts; and
-the loading of an HF model with such layers.
+dequantises it on the fly in forward; NVFP4Experts, the same for a MoE layer's routed experts;
+FP8Linear, the same for an FP8 weight (the other linears of the mixed MoE layout); and the loading
+of an HF model with such layers.
 
 Invariants:
 - The packed weight and block scales are frozen parameters (requires_grad False: no gradient, not
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import dequantize_fp8
 from .layout import QUANT_SUFFIXES
 from .nvfp4 import BLOCK, dequantize
 
@@ -53,28 +55,50 @@ class NVFP4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
 
 
-class _PackedLinear(torch.autograd.Function):
-    """x @ dequantize(packed).T, the dense weight made in forward and again in backward: autograd
-    saves the packed tensors (resident anyway: the frozen base), not the dense weight, which would
-    keep every layer's dense copy alive from forward until its backward."""
+class _FrozenLinear(torch.autograd.Function):
+    """x @ decode(*parts).T, the dense weight made in forward and again in backward: autograd saves
+    the stored parts (resident anyway: the frozen base), not the dense weight, which would keep
+    every layer's dense copy alive from forward until its backward."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale):
-        ctx.save_for_backward(packed, scale, global_scale)
-        ctx.dtype = x.dtype
-        return F.linear(x, dequantize(packed, scale, global_scale, x.dtype))
+    def forward(ctx, x, decode, *parts):
+        ctx.save_for_backward(*parts)
+        ctx.decode, ctx.dtype = decode, x.dtype
+        return F.linear(x, decode(*parts, dtype=x.dtype))
 
     @staticmethod
     def backward(ctx, grad):
+        nothing = (None,) * (1 + len(ctx.saved_tensors))
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        packed, scale, global_scale = ctx.saved_tensors
-        return grad @ dequantize(packed, scale, global_scale, ctx.dtype), None, None, None
+            return (None, *nothing)
+        return (grad @ ctx.decode(*ctx.saved_tensors, dtype=ctx.dtype), *nothing)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """F.linear(x, W) for the frozen NVFP4 weight W (no gradient for W; the gradient for x)."""
-    return _PackedLinear.apply(x, packed, scale, global_scale)
+    return _FrozenLinear.apply(x, dequantize, packed, scale, global_scale)
+
+
+class FP8Linear(nn.Module):
+    """A frozen linear layer with an FP8 weight (one float32 scale per output row, `quant.fp8`), named
+    as in the checkpoint (`weight`, `weight_scale`); computes like NVFP4Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.weight_scale = _frozen(torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        self.bias = _frozen(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _FrozenLinear.apply(x, dequantize_fp8, self.weight, self.weight_scale)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
 
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -197,12 +221,15 @@ def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:
                              "is not laid out as transformers' DeepseekV3Experts (gate_up_proj [E, 2I, H])")
         experts, double, hidden = old.gate_up_proj.shape
         setattr(model.get_submodule(parent), leaf, NVFP4Experts(experts, hidden, double // 2, old.act_fn))
-    quantized = {name.rsplit(".", 1)[0] for name in state if name.endswith(".weight_packed")}
-    for name in quantized:
+    layer_types = {name.rsplit(".", 1)[0]: NVFP4Linear for name in state if name.endswith(".weight_packed")}
+    layer_types.update({name.rsplit(".", 1)[0]: FP8Linear for name, t in state.items()
+                        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn})
+    for name, layer_type in layer_types.items():
         parent, _, leaf = name.rpartition(".")
         old = model.get_submodule(name)
-        setattr(model.get_submodule(parent), leaf, NVFP4Linear(old.in_features, old.out_features, old.bias is not None, dtype=dtype))
-    dense = {n: (t if n.endswith(QUANT_SUFFIXES) else t.to(dtype)) for n, t in state.items()}
+        setattr(model.get_submodule(parent), leaf, layer_type(old.in_features, old.out_features, old.bias is not None, dtype=dtype))
+    dense = {n: (t if n.endswith(QUANT_SUFFIXES) or t.dtype == torch.float8_e4m3fn else t.to(dtype))
+             for n, t in state.items()}
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
     if unexpected or [m for m in missing if not _tied(model, m)]:
         raise ValueError(f"{model_path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
@@ -217,11 +244,12 @@ def _tied(model: nn.Module, name: str) -> bool:
 
 
 def lora_custom_modules() -> dict:
-    """peft's custom-module mapping: NVFP4Linear gets peft's own LoRA Linear wrapper."""
+    """peft's custom-module mapping: NVFP4Linear and FP8Linear get peft's own LoRA Linear wrapper."""
     import warnings
 
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    # peft warns about every custom layer type; this one is tested (tests/integration/test_nvfp4.py).
-    warnings.filterwarnings("ignore", message="Unsupported layer type .*NVFP4Linear")
-    return {NVFP4Linear: LoraLinear}
+    # peft warns about every custom layer type; these are tested (tests/integration/test_nvfp4.py,
+    # test_moe_nvfp4.py).
+    warnings.filterwarnings("ignore", message="Unsupported layer type .*(NVFP4Linear|FP8Linear)")
+    return {NVFP4Linear: LoraLinear, FP8Linear: LoraLinear}

@@ -20,6 +20,7 @@ import torch
 
 from ..safetensors_shards import INDEX as _INDEX
 from ..safetensors_shards import ShardWriter
+from .fp8 import dequantize_fp8, quantize_fp8
 from .layout import (
     QUANT_SUFFIXES,
     QuantPlan,
@@ -62,7 +63,9 @@ class Source:
 
 
 def nvfp4_tensors(source: Source, plan_: QuantPlan, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the NVFP4 checkpoint of `source`: quantised triples, other tensors as stored."""
+    """(name, tensor) of the NVFP4 checkpoint of `source`: quantised triples (FP8 pairs for the plan's
+    FP8 linears), other tensors as stored."""
+    fp8 = set(plan_.fp8)
     group_of = plan_.group_of()
     amax = [0.0] * len(plan_.groups)
     for module, group in group_of.items():
@@ -76,6 +79,8 @@ def nvfp4_tensors(source: Source, plan_: QuantPlan, progress=None) -> Iterator[t
         if name.endswith(".weight") and module in group_of:
             q = quantize(tensor, scales[group_of[module]])
             yield from zip((f"{module}.{s}" for s in QUANT_SUFFIXES), q)
+        elif name.endswith(".weight") and module in fp8:
+            yield from zip((name, f"{module}.weight_scale"), quantize_fp8(tensor))
         else:
             yield name, tensor
 
@@ -90,19 +95,24 @@ def load_nvfp4_state(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def dequantized_state(tensors: Iterator[tuple[str, torch.Tensor]], dtype=torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Replace each quantised triple by its dense `weight` (`nvfp4.dequantize`, cast to `dtype`)."""
+    """Replace each quantised triple by its dense `weight` (`nvfp4.dequantize`, cast to `dtype`), and
+    each FP8 pair (an FP8 `weight` and its `weight_scale`) likewise (`fp8.dequantize_fp8`)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         module, _, leaf = name.rpartition(".")
-        if leaf not in QUANT_SUFFIXES:
+        fp8_weight = leaf == "weight" and tensor.dtype == torch.float8_e4m3fn
+        if leaf not in QUANT_SUFFIXES and not fp8_weight:
             yield name, tensor
             continue
         parts = pending.setdefault(module, {})
         parts[leaf] = tensor
-        if len(parts) == len(QUANT_SUFFIXES):
+        if all(s in parts for s in QUANT_SUFFIXES):
             del pending[module]
             yield f"{module}.weight", dequantize(*(parts[s] for s in QUANT_SUFFIXES), dtype=dtype)
-    assert not pending, f"incomplete NVFP4 triples: {sorted(pending)}"
+        elif "weight" in parts and "weight_scale" in parts:
+            del pending[module]
+            yield f"{module}.weight", dequantize_fp8(parts["weight"], parts["weight_scale"], dtype=dtype)
+    assert not pending, f"incomplete NVFP4 triples or FP8 pairs: {sorted(pending)}"
 
 
 @dataclass
@@ -115,11 +125,13 @@ class Summary:
     quantized_bytes_after: int
     total_bytes_before: int
     total_bytes_after: int
+    fp8_layers: int = 0
 
     def lines(self) -> list[str]:
         mib = 2**20
+        fp8 = f", {self.fp8_layers} to FP8" if self.fp8_layers else ""
         return [
-            f"quantised {self.quantized_layers} linear layers ({self.quantized_params:,} parameters), "
+            f"quantised {self.quantized_layers} linear layers to NVFP4 ({self.quantized_params:,} parameters){fp8}, "
             f"kept {self.kept_layers} in high precision",
             f"quantised layers: {self.quantized_bytes_before / mib:.2f} MiB as stored, "
             f"{self.quantized_bytes_bf16 / mib:.2f} MiB in bf16 -> {self.quantized_bytes_after / mib:.2f} MiB NVFP4 "
@@ -129,9 +141,11 @@ class Summary:
         ]
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, ignore=(), shard_bytes: int = 2**30, progress: bool = True) -> Summary:
+def quantize_checkpoint(src: str | Path, dst: str | Path, ignore=(), shard_bytes: int = 2**30, progress: bool = True,
+                        fp8_outside_experts: bool = False) -> Summary:
     """Write the NVFP4 checkpoint of `src` into the new directory `dst` (safetensors shards + index,
-    config.json with its quantization_config, tokenizer and other files copied)."""
+    config.json with its quantization_config, tokenizer and other files copied). `fp8_outside_experts`:
+    the public MoE checkpoints' mixed layout (routed experts NVFP4, the other linears FP8)."""
     from tqdm import tqdm
 
     source = Source(src)
@@ -140,9 +154,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ignore=(), shard_bytes
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"output directory {dst} exists and is not empty; choose a new one")
-    dst.mkdir(parents=True, exist_ok=True)
     shapes = source.shapes()
-    plan_ = plan(shapes, ignore)
+    plan_ = plan(shapes, ignore, fp8_outside_experts)
+    if fp8_outside_experts and not plan_.groups:
+        raise ValueError(f"{src}: no routed experts (modules named ...experts.<n>.<projection>) to quantise to NVFP4; "
+                         "use --format nvfp4 for a dense model")
+    dst.mkdir(parents=True, exist_ok=True)
     summary = _summary(source, shapes, plan_)
     with tqdm(total=summary.total_bytes_before, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
         _write_shards(nvfp4_tensors(source, plan_, bar), dst, shard_bytes, mode_of=source.dir / "config.json")
@@ -166,7 +183,7 @@ def write_dequantized(model_dir: str | Path, dst: str | Path) -> Path:
 
 
 def _summary(source: Source, shapes: dict, plan_: QuantPlan) -> Summary:
-    quantized = plan_.quantized
+    quantized, fp8 = plan_.quantized, set(plan_.fp8)
     before = after = q_before = q_bf16 = q_after = params = 0
     for name, shape in shapes.items():
         numel = _numel(shape)
@@ -176,9 +193,11 @@ def _summary(source: Source, shapes: dict, plan_: QuantPlan) -> Summary:
             size = packed_bytes(*shape)
             params, q_before, q_bf16, q_after = params + numel, q_before + stored, q_bf16 + 2 * numel, q_after + size
             after += size
+        elif name.endswith(".weight") and name[: -len(".weight")] in fp8:
+            after += numel + 4 * shape[0]  # one byte a weight, a float32 scale a row
         else:
             after += stored
-    return Summary(len(quantized), len(plan_.kept), params, q_before, q_bf16, q_after, before, after)
+    return Summary(len(quantized), len(plan_.kept), params, q_before, q_bf16, q_after, before, after, len(fp8))
 
 
 def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, shard_bytes: int, mode_of: Path) -> None:

@@ -160,7 +160,7 @@ def export_weights(model: nn.Module, lora_scale: float | None,
     if modules is not None:
         state = {name: tensor for name, tensor in state.items()
                  if _LORA_WEIGHT.fullmatch(name) or module_of(name.replace(".base_layer.", ".")) in modules}
-    if any(name.endswith("weight_packed") for name in state):
+    if any(tensor.dtype == torch.float8_e4m3fn for tensor in state.values()):  # NVFP4 block scales, FP8 weights
         from ..quant.linear import unstack_experts
         from ..quant.nvfp4_checkpoint import dequantized_state
 

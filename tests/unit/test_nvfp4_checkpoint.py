@@ -137,6 +137,9 @@ def test_ignore_patterns_and_refusals(tmp_path):
     (tmp_path / "x" / "f").write_text("")
     assert main(["quantize", str(TINY), "-o", str(tmp_path / "x"), "--quiet"]) == 2
     assert main(["quantize", str(tmp_path / "none"), "-o", str(tmp_path / "y"), "--quiet"]) == 2
+    # the mixed MoE layout needs routed experts; a dense model is refused before anything is written
+    assert main(["quantize", str(TINY), "-o", str(tmp_path / "z"), "--format", "nvfp4-experts-fp8", "--quiet"]) == 2
+    assert not (tmp_path / "z").exists()
 
 
 def test_bf16_source(tmp_path):
