@@ -68,10 +68,11 @@ class _FrozenLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        nothing = (None,) * (1 + len(ctx.saved_tensors))
+        parts = ctx.saved_tensors  # once: under activation checkpointing a second unpack is an error
+        nothing = (None,) * (1 + len(parts))
         if not ctx.needs_input_grad[0]:
             return (None, *nothing)
-        return (grad @ ctx.decode(*ctx.saved_tensors, dtype=ctx.dtype), *nothing)
+        return (grad @ ctx.decode(*parts, dtype=ctx.dtype), *nothing)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
