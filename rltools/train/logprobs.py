@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..rollout import RolloutBatch
+from ..rollout import FinishReason, RolloutBatch
 from .routing import forced_routes
 
 
@@ -29,11 +29,16 @@ class Packed:
     completion_ids: torch.Tensor  # [B, T] right-padded
     mask: torch.Tensor  # [B, T] 1 for real completion tokens (float)
     old_logprobs: torch.Tensor  # [B, T] the generator's logprobs
+    proximal_logprobs: torch.Tensor | None = None  # [B, T] the trainer's before the step's first update
     prompt_routes: torch.Tensor | None = None  # [P, Lp, MoE layers, top-k] experts of each prompt token
     completion_routes: torch.Tensor | None = None  # [B, T, MoE layers, top-k] of each completion token run
 
 
-def pack(batch: RolloutBatch, indices: np.ndarray, pad_id: int, device: torch.device) -> Packed:
+def pack(batch: RolloutBatch, indices: np.ndarray, pad_id: int, device: torch.device,
+         proximal: np.ndarray | None = None, drop_truncated: bool = False) -> Packed:
+    """`indices`' samples as tensors. `proximal`: logprobs laid out like `batch.completion_logprobs`;
+    `drop_truncated`: answers cut at the token budget get no real tokens in `mask` (DAPO's
+    overlong filtering)."""
     rows: dict[tuple, int] = {}
     prompt_of = [rows.setdefault(tuple(batch.prompt(i).tolist()), len(rows)) for i in indices]
     width = max(len(p) for p in rows)
@@ -46,16 +51,20 @@ def pack(batch: RolloutBatch, indices: np.ndarray, pad_id: int, device: torch.de
     completion_ids = np.full((len(indices), steps), pad_id, dtype=np.int64)
     mask = np.zeros((len(indices), steps), dtype=np.float32)
     old = np.zeros((len(indices), steps), dtype=np.float32)
+    near = None if proximal is None else np.zeros((len(indices), steps), dtype=np.float32)
     for row, i in enumerate(indices):
         c = len(batch.completion(i))
         completion_ids[row, :c] = batch.completion(i)
-        mask[row, :c] = 1.0
+        mask[row, :c] = 0.0 if drop_truncated and batch.finish_reasons[i] == FinishReason.LENGTH else 1.0
         old[row, :c] = batch.logprobs(i)
+        if near is not None:
+            near[row, :c] = proximal[batch.completion_offsets[i] : batch.completion_offsets[i + 1]]
     as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     routes = _routes(batch, indices, rows, prompt_of, width, steps) if batch.routed_experts is not None else (None, None)
     return Packed(
         as_tensor(prompt_ids), as_tensor(prompt_mask), as_tensor(np.array(prompt_of, dtype=np.int64)),
-        as_tensor(completion_ids), as_tensor(mask), as_tensor(old), *(None if r is None else as_tensor(r) for r in routes),
+        as_tensor(completion_ids), as_tensor(mask), as_tensor(old), None if near is None else as_tensor(near),
+        *(None if r is None else as_tensor(r) for r in routes),
     )
 
 

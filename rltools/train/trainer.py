@@ -1,21 +1,25 @@
-"""One optimizer step of GRPO / Dr.GRPO on a step's rollouts, on one trainer rank.
+"""The policy update on a step's rollouts, on one trainer rank: `algorithm.mini_batches` optimizer
+steps of the objective `algorithm.type` names (rltools.algorithms.losses).
 
 Invariant: advantages are computed over the whole step (every rank sees every sample, so groups
 stay whole); each rank then trains on a contiguous block of samples (whole groups where the sizes
-allow, so a prompt's forward pass is shared by its samples), and gradients are averaged across
-ranks by FSDP2, which equals the single-rank mean because blocks have equal size.
+allow, so a prompt's forward pass is shared by its samples), split into the same number of
+mini-batches on every rank, and gradients are averaged across ranks by FSDP2, which equals the
+single-rank mean because blocks have equal size. With several mini-batches and `tis_cap`, the
+proximal logprobs (the trainer's before the first update) are computed once, before it.
 """
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..algorithms.advantages import group_advantages
+from ..algorithms.advantages import group_advantages, overlong_penalty
 from ..algorithms.losses import policy_loss
 from ..config.schema import AlgorithmConfig
-from ..rollout import RolloutBatch
+from ..rollout import FinishReason, RolloutBatch
 from .logprobs import completion_logprobs, pack
 from .model import trainable_parameters
+from .recipes import recipe
 
 
 class Trainer:
@@ -42,6 +46,8 @@ class Trainer:
         self.group = None  # the data-parallel ranks' process group (None: every rank)
         self.temperature = temperature
         self.params = trainable_parameters(model)
+        self._proximal: np.ndarray | None = None  # this step's proximal logprobs, when computed
+        self._tokens_per_sample = 1.0  # the current mini-batch's, for the "token" aggregation
         self.optimizer = torch.optim.AdamW(self.params, lr=algorithm.learning_rate, weight_decay=0.0)
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -50,17 +56,33 @@ class Trainer:
         if self.algorithm.routing_replay and batch.routed_experts is None:
             raise ValueError("algorithm.routing_replay: these rollouts carry no routed experts (their generator ran "
                              "without routing replay: the two roles' configs differ)")
-        advantages, metrics = group_advantages(
-            torch.from_numpy(batch.rewards), torch.from_numpy(batch.group_ids), scale_by_std=self.algorithm.type == "grpo"
-        )
+        algorithm = self.algorithm
+        parts = recipe(algorithm)
+        rewards = torch.from_numpy(batch.rewards)
+        lengths = torch.from_numpy(np.diff(batch.completion_offsets))
+        if algorithm.overlong == "penalty":
+            rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, algorithm.overlong_buffer)
+        advantages, metrics = group_advantages(rewards, torch.from_numpy(batch.group_ids),
+                                               scale_by_std=parts.scale_by_std)
         local = np.array_split(np.arange(len(batch)), self.world_size)[self.rank]
+        self._proximal = None
+        if algorithm.tis_cap is not None and algorithm.mini_batches > 1:
+            self._proximal = self._proximal_logprobs(batch, local)
         self.model.train()
-        sums = self._forward_backward(batch, local, advantages)
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        norms = []
+        minis = np.array_split(local, algorithm.mini_batches)
+        for mini in minis:
+            self._tokens_per_sample = self._mean_tokens(batch, mini)
+            for key, value in self._forward_backward(batch, mini, advantages).items():
+                sums[key] = sums.get(key, 0.0) + value / len(minis)
+            norms.append(float(self._clip_gradients()))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         metrics.update(self._mean_over_ranks(sums))
-        metrics["grad_norm"] = float(grad_norm)
+        metrics["grad_norm"] = sum(norms) / len(norms)
+        if algorithm.overlong != "none":
+            metrics["truncated_frac"] = float((batch.finish_reasons == FinishReason.LENGTH).mean())
         metrics["reward_mean"] = float(batch.rewards.mean())
         metrics["accuracy"] = float((batch.rewards > 0.5).mean())
         return metrics
@@ -71,7 +93,7 @@ class Trainer:
         sums: dict[str, float] = {}
         for start in range(0, len(local), self.micro_batch_size):
             indices = local[start : start + self.micro_batch_size]
-            packed = pack(batch, indices, self.pad_id, self.device)
+            packed = self._pack(batch, indices)
             logprobs, entropy = self._logprobs(packed, with_entropy=True)
             ref = self._reference_logprobs(packed) if self.algorithm.kl_coef > 0 else None
             loss, micro = self._loss(packed, logprobs, entropy, ref, advantages[indices].to(self.device))
@@ -81,19 +103,53 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value * weight
         return sums
 
+    def _pack(self, batch: RolloutBatch, indices: np.ndarray):
+        """One micro batch as tensors, with the proximal logprobs when the step computed them and
+        without the truncated answers' tokens under `overlong: mask`."""
+        return pack(batch, indices, self.pad_id, self.device, proximal=self._proximal,
+                    drop_truncated=self.algorithm.overlong == "mask")
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, batch: RolloutBatch, local: np.ndarray) -> np.ndarray:
+        """The trainer's logprobs of `local`'s completion tokens before this step's first update, laid
+        out like `batch.completion_logprobs` (other samples' entries stay 0)."""
+        self.model.eval()
+        out = np.zeros_like(batch.completion_logprobs)
+        for start in range(0, len(local), self.micro_batch_size):
+            indices = local[start : start + self.micro_batch_size]
+            packed = pack(batch, indices, self.pad_id, self.device)
+            logprobs = self._logprobs(packed)[0].float().cpu().numpy()
+            for row, i in enumerate(indices):
+                begin, end = batch.completion_offsets[i], batch.completion_offsets[i + 1]
+                out[begin:end] = logprobs[row, : end - begin]
+        return out
+
+    def _mean_tokens(self, batch: RolloutBatch, samples: np.ndarray) -> float:
+        """Completion tokens per sample in `samples` that enter the loss (the "token" aggregation's budget)."""
+        lengths = np.diff(batch.completion_offsets)[samples]
+        if self.algorithm.overlong == "mask":
+            lengths = lengths * (batch.finish_reasons[samples] != FinishReason.LENGTH)
+        return max(float(lengths.mean()), 1e-6) if len(samples) else 1.0
+
     def _loss(self, packed, logprobs, entropy, ref, advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The policy loss of one micro batch (mean over its samples) and its metrics."""
+        """The policy loss of one micro batch (weighted by its share of the mini-batch's samples) and
+        its metrics."""
+        parts = recipe(self.algorithm)
+        budget = {"budget": self.max_new_tokens, "token": self._tokens_per_sample}.get(parts.aggregation)
         loss, metrics = policy_loss(
             logprobs,
             packed.old_logprobs,
             advantages,
             packed.mask,
-            clip_low=self.algorithm.clip_eps_low,
-            clip_high=self.algorithm.clip_eps_high,
+            clip_low=parts.clip_low,
+            clip_high=parts.clip_high,
+            objective=parts.objective,
+            aggregation=parts.aggregation,
+            budget=budget,
             ref_logprobs=ref,
             kl_coef=self.algorithm.kl_coef,
-            token_sum_norm=self.max_new_tokens if self.algorithm.type == "dr_grpo" else None,
             tis_cap=self.algorithm.tis_cap,
+            proximal_logprobs=packed.proximal_logprobs,
         )
         tokens = packed.mask.sum().clamp(min=1)
         metrics["loss"] = float(loss.detach())

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..logprobs import pack, token_logprobs
+from ..logprobs import token_logprobs
 from ..trainer import Trainer
 from .parallel import from_last_stage, sum_over_pipeline
 
@@ -38,7 +38,7 @@ class MegatronTrainer(Trainer):
 
     def _forward_backward(self, batch, local: np.ndarray, advantages: torch.Tensor) -> dict[str, float]:
         blocks = [local[s : s + self.micro_batch_size] for s in range(0, len(local), self.micro_batch_size)]
-        packs = [pack(batch, indices, self.pad_id, self.device) for indices in blocks]
+        packs = [self._pack(batch, indices) for indices in blocks]
         refs = [None] * len(packs)
         if self.algorithm.kl_coef > 0:
             with torch.no_grad(), self.model.disable_adapter():
