@@ -62,9 +62,12 @@ def finish(run_dir, job_id: str, restarts: int) -> dict:
 def test_three_preemptions_lose_nothing_and_repeat_nothing(slurm, repo, tmp_path):
     """The warning while the roles start up (it used to kill both components while they imported
     torch and vLLM: exit 140, the job FAILED), then a requeue and the warning at seeded random steps:
-    every step exactly once, and a second launch on the running run is refused."""
+    every step exactly once, and a second launch on the running run is refused. The generator runs
+    up to three policy versions ahead (decoupled PPO corrects for it): the deepest asynchrony
+    rltools tests, through every restart."""
     run_dir, steps = tmp_path / "run", 60
-    job_id = submit(repo, run_dir, f"schedule.steps={steps}", "schedule.checkpoint_every=10", "eval.problems=16")
+    job_id = submit(repo, run_dir, f"schedule.steps={steps}", "schedule.checkpoint_every=10", "eval.problems=16",
+                    "schedule.max_staleness=3", "algorithm.tis_cap=2.0")
     logs = [run_dir / "slurm/logs/attempt_0" / f"{role}_0.log" for role in ("generator", "trainer")]
     wait_until(lambda: all(log.exists() and "starting in" in log.read_text() for log in logs),
                "both roles to start", job_id)
@@ -81,7 +84,8 @@ def test_three_preemptions_lose_nothing_and_repeat_nothing(slurm, repo, tmp_path
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(steps)), "each step exactly once across restarts"
-    assert all(0 <= m["staleness"] <= 1 for m in lines)  # no shard of a discarded policy was trained on
+    assert all(0 <= m["staleness"] <= 3 for m in lines)  # no shard of a discarded policy was trained on
+    assert max(m["staleness"] for m in lines) == 3
     assert s["step"] == steps and s["checkpoint"] == steps
     generator, trainer = (log.read_text() for log in logs)
     assert "received SIGUSR2" in trainer and f"stopped on SIGUSR2 after 0 of {steps} steps" in trainer, trainer[-2000:]
