@@ -23,6 +23,7 @@ ROWS = {
     "grpo": ["algorithm.type=grpo"],
     "dr_grpo": ["algorithm.type=dr_grpo"],
     "dapo": ["algorithm.type=dapo"],
+    "dapo + dynamic sampling": ["algorithm.type=dapo", "algorithm.dynamic_sampling=true"],
     "gspo": ["algorithm.type=gspo", "algorithm.mini_batches=4"],
     "cispo": ["algorithm.type=cispo"],
     "dr_grpo staleness 0": ["algorithm.type=dr_grpo", "schedule.max_staleness=0"],

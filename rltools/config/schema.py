@@ -119,6 +119,10 @@ class AlgorithmConfig(Section):
     """Optimizer steps per rollout batch: the batch is split into this many mini-batches, one step each (GSPO's paper used 4). With tis_cap, every mini-batch's ratio is anchored at the trainer's logprobs before the first step."""
     overlong: Literal["none", "penalty", "mask"] = "none"
     """Answers that run into generator.max_new_tokens (DAPO): penalty adds DAPO's soft penalty to the reward (0 until the last overlong_buffer tokens, then down to -1); mask leaves truncated answers out of the loss."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose samples all got the same reward (zero advantage) is replaced by a fresh prompt's group; the generator draws up to max_extra_draws more rounds of prompts, and uniform groups fill what is still missing. metrics.jsonl's prompts_drawn counts what was sampled."""
+    max_extra_draws: int = Field(3, ge=1)
+    """With dynamic_sampling, the most extra rounds of prompts a generator draws for one step (each as many prompts as its share)."""
     overlong_buffer: int = Field(0, ge=0)
     """With overlong: penalty, the tail of generator.max_new_tokens over which the penalty grows (DAPO: a quarter of it)."""
     kl_coef: float = Field(0.0, ge=0)

@@ -1,7 +1,8 @@
 """A task = where problems come from (`data.type`) + how completions are scored (`reward.type`).
 
 Invariant: training problems of a step are a pure function of (seed, step), so any generator
-rank can regenerate its share after a restart. The step is the whole data position: a checkpoint
+rank can regenerate its share after a restart; so are the replacements dynamic sampling draws
+(seed, step, draw). The step is the whole data position: a checkpoint
 records the step, and the cursor of a file task is `DataOrder.cursor_at(step, prompts_per_step)`.
 """
 
@@ -25,6 +26,10 @@ class ArithmeticTask:
     def train_problems(self, step: int, count: int) -> list[Problem]:
         return arithmetic.train_prompts(self.seed, epoch=0, step=step, count=count)
 
+    def replacement_problems(self, step: int, draw: int, count: int) -> list[Problem]:
+        """Draw `draw` (1, 2, ...) of step `step`'s replacements for groups that taught nothing."""
+        return arithmetic.train_prompts(self.seed, epoch=draw, step=step, count=count)
+
     def eval_problems(self, count: int) -> list[Problem]:
         return arithmetic.problems(self.seed, "eval", count)
 
@@ -38,6 +43,13 @@ class FileTask:
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
         indices, _ = self.order.take(self.order.cursor_at(step, count), count)
+        return [self.train[i] for i in indices]
+
+    def replacement_problems(self, step: int, draw: int, count: int) -> list[Problem]:
+        """Draw `draw` (1, 2, ...) of step `step`'s replacements: from an order of the training
+        problems of its own (the main order's next problems belong to the next steps)."""
+        order = DataOrder(len(self.train), self.order.seed * 1_000_003 + draw)
+        indices, _ = order.take(order.cursor_at(step, count), count)
         return [self.train[i] for i in indices]
 
     def eval_problems(self, count: int) -> list[Problem]:

@@ -73,38 +73,73 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
             log.info("step %d: shard kept from before the restart", step)
             continue
         faults.point("generator.sample", step)
-        problems = task.train_problems(step, schedule.prompts_per_step)
         share = list(prompt_share(config, env.rank))
         start = time.perf_counter()
-        results = engine.sample(
-            [problems[i].prompt for i in share],
-            n=schedule.group_size,
-            seeds=[request_seed(config.run.seed, step, i, schedule.group_size) for i in share],
-        )
-        rewards = iter(task.reward.score(
-            [c.text for result in results for c in result.completions],
-            [problems[i].answer for i, result in zip(share, results) for _ in result.completions],
-        ))
-        samples = [
+        groups = sample_groups(engine, task, config, step, 0, share, task.train_problems(step, schedule.prompts_per_step))
+        drawn = len(share)
+        if config.algorithm.dynamic_sampling:
+            groups, drawn = replace_uniform_groups(engine, task, config, step, share, groups)
+        batch = RolloutBatch.from_samples([sample for group in groups for sample in group], policy_version=version,
+                                          generation_seconds=time.perf_counter() - start, prompts_drawn=drawn)
+        store.write(step, env.rank, batch)
+        log.info("step %d: %d samples, policy version %d, reward %.3f", step, len(batch), version, batch.rewards.mean())
+    while version < schedule.steps:  # the trainer's last broadcasts: the final weights
+        version = receive(engine, task, config, paths, env, version)
+
+
+def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share: list[int], problems) -> list[list[Sample]]:
+    """One group of schedule.group_size scored samples per prompt index in `share` (indices into
+    `problems`); `draw` > 0: a dynamic-sampling round (its own seeds and group ids)."""
+    schedule = config.schedule
+    results = engine.sample(
+        [problems[i].prompt for i in share],
+        n=schedule.group_size,
+        seeds=[request_seed(config.run.seed, step, draw * schedule.prompts_per_step + i, schedule.group_size)
+               for i in share],
+    )
+    rewards = iter(task.reward.score(
+        [c.text for result in results for c in result.completions],
+        [problems[i].answer for i, result in zip(share, results) for _ in result.completions],
+    ))
+    return [
+        [
             Sample(
                 prompt_ids=result.prompt_token_ids,
                 completion_ids=c.token_ids,
                 completion_logprobs=c.logprobs,
                 reward=next(rewards),
-                group_id=group_id(config, step, i),
+                group_id=group_id(config, step, i, draw),
                 sample_index=j,
                 finish_reason=c.finish_reason,
                 text=c.text,
                 routed_experts=c.routed_experts,
             )
-            for i, result in zip(share, results)
             for j, c in enumerate(result.completions)
         ]
-        batch = RolloutBatch.from_samples(samples, policy_version=version, generation_seconds=time.perf_counter() - start)
-        store.write(step, env.rank, batch)
-        log.info("step %d: %d samples, policy version %d, reward %.3f", step, len(batch), version, batch.rewards.mean())
-    while version < schedule.steps:  # the trainer's last broadcasts: the final weights
-        version = receive(engine, task, config, paths, env, version)
+        for i, result in zip(share, results)
+    ]
+
+
+def replace_uniform_groups(engine: VLLMEngine, task, config, step: int, share: list[int], groups: list[list[Sample]]):
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, sec. 3.2): a group whose samples
+    all got the same reward has zero advantage and teaches nothing; draw further rounds of prompts
+    (at most algorithm.max_extra_draws, each as many as this rank's share) and keep the first groups
+    whose rewards differ. Uniform groups fill what is still missing, so every step has its size.
+    Returns (groups, prompts drawn)."""
+    informative = [g for g in groups if len({s.reward for s in g}) > 1]
+    uniform = [g for g in groups if len({s.reward for s in g}) == 1]
+    drawn = len(share)
+    for draw in range(1, config.algorithm.max_extra_draws + 1):
+        if len(informative) >= len(share):
+            break
+        problems = task.replacement_problems(step, draw, config.schedule.prompts_per_step)
+        extra = sample_groups(engine, task, config, step, draw, share, problems)
+        drawn += len(share)
+        informative += [g for g in extra if len({s.reward for s in g}) > 1]
+    kept = (informative + uniform)[: len(share)]
+    log.info("step %d: dynamic sampling drew %d prompts for %d groups, %d of them informative", step, drawn,
+             len(share), min(len(informative), len(share)))
+    return kept, drawn
 
 
 def receive(engine: VLLMEngine, task, config, paths: RunPaths, env: RoleEnv, version: int) -> int:

@@ -55,6 +55,7 @@ class RolloutBatch:
     generation_seconds: float = 0.0  # wall time the generator spent producing the batch
     routed_experts: np.ndarray | None = None  # int16 [total routed positions, MoE layers, top-k]
     routed_offsets: np.ndarray | None = None  # int64 [n + 1]
+    prompts_drawn: int = 0  # prompts sampled for the batch (dynamic sampling draws more than it keeps)
 
     DTYPES = {
         "prompt_ids": np.int32,
@@ -129,7 +130,8 @@ class RolloutBatch:
         )
 
     @classmethod
-    def from_samples(cls, samples: Sequence[Sample], policy_version: int, generation_seconds: float = 0.0) -> "RolloutBatch":
+    def from_samples(cls, samples: Sequence[Sample], policy_version: int, generation_seconds: float = 0.0,
+                     prompts_drawn: int = 0) -> "RolloutBatch":
         def flat(key: str, dtype) -> tuple[np.ndarray, np.ndarray]:
             parts = [np.asarray(getattr(s, key), dtype=dtype) for s in samples]
             offsets = np.zeros(len(parts) + 1, dtype=np.int64)
@@ -157,6 +159,7 @@ class RolloutBatch:
             policy_version=policy_version,
             texts=tuple(texts) if all(t is not None for t in texts) and samples else None,
             generation_seconds=generation_seconds,
+            prompts_drawn=prompts_drawn,
             **routed,
         )
 
@@ -178,5 +181,6 @@ class RolloutBatch:
                 joined[name] = np.concatenate([getattr(b, name) for b in batches])
         texts = None if any(b.texts is None for b in batches) else sum((b.texts for b in batches), ())
         seconds = max((b.generation_seconds for b in batches), default=0.0)  # ranks generate in parallel
-        return cls(**joined, policy_version=versions.pop(), texts=texts, generation_seconds=seconds)
+        return cls(**joined, policy_version=versions.pop(), texts=texts, generation_seconds=seconds,
+                   prompts_drawn=sum(b.prompts_drawn for b in batches))
 

@@ -28,8 +28,10 @@ def prompt_share(config: RLConfig, generator_rank: int) -> range:
     return range(generator_rank, config.schedule.prompts_per_step, config.cluster.generators.ntasks)
 
 
-def group_id(config: RLConfig, step: int, prompt_index: int) -> int:
-    return step * config.schedule.prompts_per_step + prompt_index
+def group_id(config: RLConfig, step: int, prompt_index: int, draw: int = 0) -> int:
+    """Unique within a step's batch across generator ranks (and across steps, for draw 0); `draw`:
+    the dynamic-sampling round that drew the prompt (0: the step's own prompts)."""
+    return (draw * config.schedule.steps + step) * config.schedule.prompts_per_step + prompt_index
 
 
 def eval_due(config: RLConfig, version: int) -> bool:

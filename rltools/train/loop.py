@@ -83,6 +83,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                     policy_exports.prune_full_exports(paths, config.eval.keep_full_exports)
                 tokens = int(batch.completion_offsets[-1])
                 append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
+                                       "prompts_drawn": batch.prompts_drawn,
                                        "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
                                        "generation_s": batch.generation_seconds, "wait_s": waited,
                                        "training_s": trained, "sync_s": synced, "time": time.time()})

@@ -108,3 +108,30 @@ def test_three_steps_of_staleness_survive_a_trainer_crash_and_resume(repo, tmp_p
     histogram = json.loads(status.stdout)["staleness"]
     assert sum(histogram.values()) == 16 and histogram["3"] >= 10, histogram
     assert "steps trained on rollouts k versions behind:" in rltools("status", str(run_dir)).stdout
+
+
+def test_dynamic_sampling_replaces_groups_that_teach_nothing(repo, tmp_path):
+    """DAPO's dynamic sampling on the demo: a step keeps a group whose rewards are all equal only once
+    the generator has drawn its last extra round; the control run (same seed, without it) has such
+    groups at steps where dynamic sampling had none."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(name: str, *overrides: str) -> list[dict]:
+        run_dir = tmp_path / name
+        sets = [w for key in ("schedule.steps=6", "eval.problems=16", "schedule.eval_every=0", f"run.dir={run_dir}",
+                              *overrides) for w in ("--set", key)]
+        result = subprocess.run([sys.executable, "-m", "rltools", "submit", str(repo / "configs" / "demo.yaml"), *sets],
+                                capture_output=True, text=True, timeout=600, cwd=repo, env=dict(os.environ))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    dynamic = run("dynamic", "algorithm.dynamic_sampling=true", "algorithm.max_extra_draws=2")
+    plain = run("plain")
+    assert all(m["prompts_drawn"] == 16 for m in plain)
+    assert all(m["prompts_drawn"] in (16, 32, 48) and m["samples"] == 128 for m in dynamic)
+    assert all(m["zero_std_groups"] == 0 or m["prompts_drawn"] == 48 for m in dynamic), dynamic
+    assert any(m["prompts_drawn"] > 16 for m in dynamic)
+    assert sum(m["zero_std_groups"] for m in dynamic) < sum(m["zero_std_groups"] for m in plain)

@@ -101,6 +101,21 @@ def test_file_task_steps_are_a_pure_function_of_the_step(tmp_path):
     assert task.reward.score(["so \\boxed{025}."], [25]) == [1.0]
 
 
+def test_dynamic_sampling_replacements_are_a_pure_function_of_step_and_draw(tmp_path):
+    """A restarted generator redraws the same replacements; rounds differ from the step's own
+    prompts and from each other (arithmetic: other problems; files: another order of the file)."""
+    from rltools.data.tasks import ArithmeticTask
+
+    write_jsonl(tmp_path / "aime.jsonl")
+    data = DataConfig(type="jsonl", train_path=str(tmp_path / "aime.jsonl"), eval_path=str(tmp_path / "aime.jsonl"))
+    for task, again in ((make_task(data, RewardConfig(type="boxed_integer"), seed=1),
+                         make_task(data, RewardConfig(type="boxed_integer"), seed=1)),
+                        (ArithmeticTask(1, None), ArithmeticTask(1, None))):
+        rounds = [task.replacement_problems(3, draw, 5) for draw in (1, 2)]
+        assert rounds == [again.replacement_problems(3, draw, 5) for draw in (1, 2)]
+        assert rounds[0] != rounds[1] and task.train_problems(3, 5) not in rounds
+
+
 def test_file_data_needs_both_paths():
     with pytest.raises(ValueError, match="data.eval_path"):
         DataConfig(type="jsonl", train_path="train.jsonl")
