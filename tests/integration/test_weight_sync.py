@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from rltools.paths import RunPaths
 from rltools.weight_sync import SyncOptions, WeightSyncError, host_group, join_group
 from rltools.weight_sync.channel import ALIGN, plan_pieces
 from rltools.weight_sync.rendezvous import SealedStore, _Admissions, _mac
+
+from .sync_peer import SMALL, model
 
 HELPER = Path(__file__).with_name("sync_peer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -64,6 +67,27 @@ def wait_for_file(path: Path, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def held_at_once(tensors: dict, bucket_bytes: int, alone_bytes: int, max_in_flight: int = 2) -> int:
+    """The most stream tensors the sender must hold at one time, from its plan alone: tensors produced
+    ahead of the one a piece asks for (a big tensor goes before the open bucket of earlier small
+    ones) plus the alone pieces still in flight (zero-copy: their broadcast reads the tensor)."""
+    specs = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+    produced, ahead, flight, most = 0, set(), deque(), 0
+    for nbytes, members in plan_pieces(specs, bucket_bytes, alone_bytes).pieces:
+        while len(flight) >= max_in_flight:
+            flight.popleft()
+        for index, _ in members:
+            while produced <= index:
+                if specs[produced][3]:  # empty tensors hold no memory
+                    ahead.add(produced)
+                produced += 1
+                most = max(most, len(ahead) + sum(flight))
+            ahead.discard(index)
+        flight.append(len(members) == 1 and nbytes >= alone_bytes)
+        most = max(most, len(ahead) + sum(flight))
+    return most
+
+
 def test_full_and_lora_updates_arrive_bitwise_equal_in_version_order(tmp_path):
     paths = run_dir(tmp_path)
     # A file left by an earlier start (attempt 0, dead port): joiners must wait for attempt 1's.
@@ -76,9 +100,10 @@ def test_full_and_lora_updates_arrive_bitwise_equal_in_version_order(tmp_path):
     assert "setup_error" not in sent, sent
     assert [m["version"] for m in sent["sent"]] == [1, 2, 3, 4]
     assert sent["sent"][0]["pieces"] > 3, "full weights travel in several pieces (alone + buckets)"
-    # version 4 was a TensorStream of 45 tensors: the sender held a bucket's worth of them at most
-    # (a 64 KiB bucket of these tensors holds at most 10); a list would have held all 45
-    assert 1 <= sent["most_alive"] <= 10, sent["most_alive"]
+    # version 4 was a TensorStream of 45 tensors (43 with bytes): the sender held only those its wire
+    # order requires at once (`held_at_once`), plus the last one taken; a list would have held all 43
+    most = held_at_once(model(4, "cpu"), **SMALL)
+    assert sent["most_alive"] <= most + 1 < 43, (sent["most_alive"], most)
     for joiner in joiners:
         got = joiner.result(20)
         assert not got["errors"] and "setup_error" not in got, got
