@@ -319,7 +319,12 @@ def test_a_stream_that_breaks_mid_message_leaves_the_group_unusable(tmp_path):
 
     import torch.distributed as dist
 
-    from rltools.weight_sync import SyncGroup, TensorStream, WeightSender, WeightSyncError
+    from rltools.weight_sync import (
+        SyncGroup,
+        TensorStream,
+        WeightSender,
+        WeightSyncError,
+    )
 
     store = dist.HashStore()  # a one-member gloo group: the sender's collectives complete locally
     pg = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5))
