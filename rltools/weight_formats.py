@@ -90,7 +90,7 @@ class FullWeights(WeightFormat):
         return backend.export_weights(self.lora.alpha / self.lora.rank if self.lora.enabled else None)
 
     def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
-        reload_in_place(worker, tensors)
+        worker.rltools_reload(tensors)  # generate.worker_ext
 
     def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
         return _ModelWriter(directory, self.base_model, shard_bytes)
@@ -149,7 +149,7 @@ class AdaptedLayers(WeightFormat):
         return backend.export_weights(self.lora.alpha / self.lora.rank, self.modules())
 
     def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
-        reload_in_place(worker, tensors)
+        worker.rltools_reload(tensors)  # generate.worker_ext
 
     def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
         return _InMemoryWriter(lambda tensors: save_tensors(directory / ADAPTED_WEIGHTS, tensors))
@@ -159,30 +159,6 @@ class AdaptedLayers(WeightFormat):
 
 
 FORMATS: dict[str, type[WeightFormat]] = {f.name: f for f in (FullWeights, LoraAdapter, AdaptedLayers)}
-
-def reload_in_place(worker, tensors: list) -> None:
-    """Inside a vLLM worker: load checkpoint-named tensors into the served layers. A partial update
-    (`adapted`) leaves the other layers as they are, which vLLM's reload reports as a warning for every
-    such layer on every update; those two messages are dropped here, nothing else."""
-    import logging
-
-    quiet = _DropMessages(("Failed to load weights", "Following weights were not loaded"))
-    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}") for name in ("layerwise", "inplace")]
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
-        worker.model_runner.reload_weights(weights_iterator=tensors)
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
-
-
-class _DropMessages:
-    def __init__(self, parts: tuple[str, ...]):
-        self.parts = parts
-
-    def filter(self, record) -> bool:
-        return not any(part in str(record.msg) for part in self.parts)
 
 
 def weight_format(config) -> WeightFormat:

@@ -42,21 +42,42 @@ class WeightSyncExtension:
             raise RuntimeError(f"trainer rank 0 sent {transfer.kind} weights; this generator serves {fmt.name} "
                                "(generator.weight_sync differs between the roles' configs)")
         fmt.apply(self, received, Path(adapter_dir))
-        if fmt.dense:
-            _repack_cpu_experts(self.model_runner.model, {name for name, _ in received})
         return transfer.version, transfer.kind
+
+    def rltools_reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-named tensors into the served layers in place (every weight: `full`; the
+        adapted layers: `adapted`), then re-pack the CPU expert kernels they touched. A partial update
+        leaves the other layers as they are, which vLLM's reload reports as a warning for each of them
+        on each update: those two messages are dropped here, nothing else."""
+        import logging
+
+        quiet = _DropMessages(("Failed to load weights", "Following weights were not loaded"))
+        loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}") for name in ("layerwise", "inplace")]
+        for logger in loggers:
+            logger.addFilter(quiet)
+        try:
+            self.model_runner.reload_weights(weights_iterator=tensors)
+        finally:
+            for logger in loggers:
+                logger.removeFilter(quiet)
+        _repack_cpu_experts(self.model_runner.model, {name for name, _ in tensors})
 
     def rltools_load_weights(self, file: str) -> int:
         """Load the checkpoint-named tensors of a safetensors file into the served layers in place (a
         policy export of the adapted layers, for `rltools eval`); returns how many."""
         from safetensors.torch import load_file
 
-        from ..weight_formats import reload_in_place
-
         tensors = list(load_file(file).items())
-        reload_in_place(self, tensors)
-        _repack_cpu_experts(self.model_runner.model, {name for name, _ in tensors})
+        self.rltools_reload(tensors)
         return len(tensors)
+
+
+class _DropMessages:
+    def __init__(self, parts: tuple[str, ...]):
+        self.parts = parts
+
+    def filter(self, record) -> bool:
+        return not any(part in str(record.msg) for part in self.parts)
 
 
 def _repack_cpu_experts(model: torch.nn.Module, names: set[str]) -> int:

