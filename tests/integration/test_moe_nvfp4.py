@@ -160,3 +160,18 @@ def test_the_moe_bench_reports_packed_experts_at_4_5_bits_and_no_dense_copy_kept
     saved = result["saved_for_backward_mb"]
     assert saved["nvfp4"] - saved["bf16"] < 0.5 * result["experts_mb"]["bf16"], result
     assert result["step_s"]["nvfp4"] > 0 and result["step_s"]["bf16"] > 0
+
+
+def test_routed_experts_kept_dense_load_in_transformers_fused_layout(tmp_path):
+    """`rltools quantize --ignore` may keep the routed experts dense: the trainer then fuses their
+    per-expert tensors as transformers holds them (gate rows, then up) and still computes the twin."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "experts-dense"
+    quantize_checkpoint(MOE, out, ignore=[r"re:.*\.experts\..*"], progress=False)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in tensors(out)
+    policy = load_policy(nvfp4(out), LORA)
+    assert not [m for m in policy.modules() if isinstance(m, NVFP4Experts)]
+    twin = AutoModelForCausalLM.from_pretrained(write_dequantized(out, tmp_path / "dense"), dtype=torch.float32)
+    ids = torch.randint(3, 90, (2, 12))
+    assert torch.allclose(policy(input_ids=ids).logits, twin(input_ids=ids).logits, atol=1e-5)
