@@ -31,12 +31,15 @@ ROWS = {
 }
 
 
-def run(name: str, overrides: list[str], steps: int, directory: Path) -> dict:
+def run(name: str, overrides: list[str], steps: int, directory: Path, timeout_s: float) -> dict:
     run_dir = directory / name.replace(" ", "-")
     sets = [w for o in [*overrides, f"schedule.steps={steps}", f"run.dir={run_dir}"] for w in ("--set", o)]
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "rltools", "submit", str(REPO / "configs" / "demo.yaml"), *sets],
-                            capture_output=True, text=True, cwd=REPO)
+    try:
+        result = subprocess.run([sys.executable, "-m", "rltools", "submit", str(REPO / "configs" / "demo.yaml"), *sets],
+                                capture_output=True, text=True, cwd=REPO, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{name}: no result after {timeout_s:.0f} s (--timeout); its run directory: {run_dir}") from None
     wall = time.monotonic() - start
     if result.returncode != 0:
         raise SystemExit(f"{name}: rltools submit failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
@@ -60,13 +63,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=900, help="steps per run (default: the demo's 900)")
     parser.add_argument("--only", nargs="+", choices=list(ROWS), metavar="ROW", help=f"rows to run: {', '.join(ROWS)}")
     parser.add_argument("--out", type=Path, help="directory for the run directories (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take (default 1800)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rltools-compare-") as tmp:
         directory = args.out or Path(tmp)
         rows = []
         for name in args.only or ROWS:
             print(f"running {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)
-            rows.append(run(name, ROWS[name], args.steps, directory))
+            rows.append(run(name, ROWS[name], args.steps, directory, args.timeout))
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(table(rows))
     return 0

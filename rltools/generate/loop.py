@@ -126,16 +126,18 @@ def replace_uniform_groups(engine: VLLMEngine, task, config, step: int, share: l
     (at most algorithm.max_extra_draws, each as many as this rank's share) and keep the first groups
     whose rewards differ. Uniform groups fill what is still missing, so every step has its size.
     Returns (groups, prompts drawn)."""
-    informative = [g for g in groups if len({s.reward for s in g}) > 1]
-    uniform = [g for g in groups if len({s.reward for s in g}) == 1]
+    def teaches(group: list[Sample]) -> bool:
+        return len({sample.reward for sample in group}) > 1
+
+    informative = [g for g in groups if teaches(g)]
+    uniform = [g for g in groups if not teaches(g)]
     drawn = len(share)
     for draw in range(1, config.algorithm.max_extra_draws + 1):
         if len(informative) >= len(share):
             break
         problems = task.replacement_problems(step, draw, config.schedule.prompts_per_step)
-        extra = sample_groups(engine, task, config, step, draw, share, problems)
+        informative += [g for g in sample_groups(engine, task, config, step, draw, share, problems) if teaches(g)]
         drawn += len(share)
-        informative += [g for g in extra if len({s.reward for s in g}) > 1]
     kept = (informative + uniform)[: len(share)]
     log.info("step %d: dynamic sampling drew %d prompts for %d groups, %d of them informative", step, drawn,
              len(share), min(len(informative), len(share)))

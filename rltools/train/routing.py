@@ -39,7 +39,8 @@ def forced_routes(model: nn.Module, routes: torch.Tensor | None):
         return
     routers = moe_routers(model)
     if routes.shape[1] != len(routers):
-        raise ValueError(f"routing replay: the rollout routes {routes.shape[1]} MoE layers, the model has {len(routers)}")
+        raise ValueError(f"routing replay: the rollouts route {routes.shape[1]} MoE layers, the model has {len(routers)}: "
+                         "generator and trainer serve different models (model.path)")
     for index, router in enumerate(routers):
         if not hasattr(router, _FORCED):
             router.forward = functools.partial(_routed, router, router.forward)

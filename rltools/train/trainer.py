@@ -59,8 +59,8 @@ class Trainer:
         algorithm = self.algorithm
         parts = recipe(algorithm)
         rewards = torch.from_numpy(batch.rewards)
-        lengths = torch.from_numpy(np.diff(batch.completion_offsets))
         if algorithm.overlong == "penalty":
+            lengths = torch.from_numpy(np.diff(batch.completion_offsets))
             rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, algorithm.overlong_buffer)
         advantages, metrics = group_advantages(rewards, torch.from_numpy(batch.group_ids),
                                                scale_by_std=parts.scale_by_std)
