@@ -1,6 +1,11 @@
-"""`rltools plot`: a run's curves in one PNG — reward, accuracy (with held-out avg@k), KL, step timing.
+"""`rltools plot`: what a run did, in one image — held-out quality first, then training reward, the
+policy's health and where each step's time went.
 
-Reads metrics.jsonl and eval/ only, so it works on a finished, failed or running run alike.
+Reads metrics.jsonl and eval/ only, so it works on a finished, failed or running run alike. A panel
+appears only when it has something to show (no flat-zero KL when algorithm.kl_coef is 0, no
+accuracy curve that repeats the reward); evaluation steps are marked on every panel, because the
+step after one waits for the generator that evaluated (`sync_wait_s`). The format follows the
+output's suffix (.png, .svg, .pdf).
 """
 
 from pathlib import Path
@@ -9,7 +14,9 @@ from .errors import UserError
 from .monitor.records import read_evals, read_metrics
 from .paths import RunPaths
 
-TIMINGS = ("generation_s", "training_s", "sync_s", "wait_s")
+TIMINGS = {"generation_s": "generation", "training_s": "training", "sync_s": "weight sync",
+           "sync_wait_s": "generators busy (evaluating)", "wait_s": "waiting for rollouts"}
+FAINT = 0.25
 
 
 def plot_run(paths: RunPaths, output: Path) -> None:
@@ -22,30 +29,133 @@ def plot_run(paths: RunPaths, output: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [m["step"] + 1 for m in metrics]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    (reward, accuracy), (kl, timing) = axes
-    reward.plot(steps, [m["reward_mean"] for m in metrics], lw=0.8)
-    reward.set_title("training reward (mean)")
-    accuracy.plot(steps, [m["accuracy"] for m in metrics], lw=0.8, label="training samples")
     evals = read_evals(paths)
-    if evals:
-        k = next(iter(evals.values()))["k"]
-        accuracy.plot(list(evals), [e["avg_at_k"] for e in evals.values()], "o-", label=f"held-out avg@{k}")
-        accuracy.errorbar(list(evals), [e["avg_at_k"] for e in evals.values()],
-                          yerr=[e["stderr"] for e in evals.values()], fmt="none", capsize=3, color="C1")
-    accuracy.set_title("accuracy")
-    accuracy.legend()
-    kl.plot(steps, [m.get("kl", 0.0) for m in metrics], lw=0.8)
-    kl.set_title("KL to the reference policy")
-    for key in TIMINGS:
-        if key in metrics[0]:
-            timing.plot(steps, [m[key] for m in metrics], lw=0.8, label=key.removesuffix("_s"))
-    timing.set_title("seconds per step")
-    timing.legend()
-    for ax in (kl, timing):
-        ax.set_xlabel("optimizer steps")
-    fig.suptitle(f"{paths.root.name}: {len(metrics)} steps")
+    panels = [p for p in (_held_out, _reward, _policy, _timing) if p.wanted(metrics, evals)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.9 * len(panels)), sharex=True, squeeze=False)
+    for panel, ax in zip(panels, axes[:, 0]):
+        panel.draw(ax, steps, metrics, evals)
+        for step in evals:
+            ax.axvline(step, color="0.6", lw=0.6, ls=":", zorder=0)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("optimizer steps (dotted: held-out evaluations)")
+    fig.suptitle(_title(paths, metrics, evals))
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(output, dpi=110)
+    except ValueError as err:  # an unknown suffix
+        raise UserError(f"cannot write {output}: {err}; use a .png, .svg or .pdf file name") from None
+    finally:
+        plt.close(fig)
+
+
+def _title(paths: RunPaths, metrics: list[dict], evals: dict) -> str:
+    title = f"{paths.root.name}: {len(metrics)} steps"
+    if len(evals) >= 2:
+        first, last = min(evals), max(evals)
+        k, before, after = evals[last]["k"], evals[first]["avg_at_k"], evals[last]["avg_at_k"]
+        title += f" | held-out avg@{k} {before:.3f} (step {first}) -> {after:.3f} (step {last}), " \
+                 f"{100 * (after - before):+.1f} points"
+    return title
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` values (fewer at the start): no look-ahead, no lag at the end
+    beyond the window itself."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+class _held_out:
+    """The headline: held-out avg@k with its standard error, and pass@k."""
+
+    @staticmethod
+    def wanted(metrics, evals) -> bool:
+        return bool(evals)
+
+    @staticmethod
+    def draw(ax, steps, metrics, evals):
+        at = sorted(evals)
+        k = evals[at[-1]]["k"]
+        ax.errorbar(at, [evals[s]["avg_at_k"] for s in at], yerr=[evals[s]["stderr"] for s in at], fmt="o-",
+                    capsize=3, color="C1", label=f"avg@{k} (mean accuracy of {k} samples) ± stderr")
+        if all("pass_at_k" in evals[s] for s in at):
+            ax.plot(at, [evals[s]["pass_at_k"] for s in at], "s--", color="C2", ms=4,
+                    label=f"pass@{k} (any of {k} correct)")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"held-out problems ({evals[at[-1]]['n_problems']})")
+        ax.legend(loc="lower right", fontsize=8)
+
+
+class _reward:
+    """Training reward, smoothed, over the raw per-step values; accuracy only when it differs."""
+
+    @staticmethod
+    def wanted(metrics, evals) -> bool:
+        return True
+
+    @staticmethod
+    def draw(ax, steps, metrics, evals):
+        window = max(1, len(metrics) // 30)
+        for key, label, color in (("reward_mean", "reward", "C0"), ("accuracy", "accuracy", "C3")):
+            values = [m[key] for m in metrics if key in m]
+            if len(values) != len(metrics):
+                continue
+            if key == "accuracy" and all(abs(m["accuracy"] - m["reward_mean"]) < 1e-9 for m in metrics):
+                continue  # a 0/1 reward: the accuracy is the same curve
+            ax.plot(steps, values, color=color, lw=0.6, alpha=FAINT)
+            ax.plot(steps, smooth(values, window), color=color, lw=1.6,
+                    label=f"{label} (mean of {window} steps)" if window > 1 else label)
+        ax.set_title("training samples")
+        ax.legend(loc="lower right", fontsize=8)
+
+
+class _policy:
+    """Entropy of the sampled tokens, and KL to the reference and the clipped fraction when not zero."""
+
+    @staticmethod
+    def wanted(metrics, evals) -> bool:
+        return any(key in metrics[0] for key in ("entropy", "kl", "clip_frac"))
+
+    @staticmethod
+    def draw(ax, steps, metrics, evals):
+        ax.plot(steps, [m.get("entropy", float("nan")) for m in metrics], color="C4", lw=0.9, label="entropy (nats/token)")
+        ax.set_title("policy")
+        right = None
+        for key, label, color in (("kl", "KL to the reference", "C2"), ("clip_frac", "clipped fraction", "C3")):
+            values = [m.get(key, 0.0) for m in metrics]
+            if any(values):  # kl is 0 throughout when algorithm.kl_coef is 0
+                right = right or ax.twinx()
+                right.plot(steps, values, color=color, lw=0.9, label=label)
+        lines, labels = ax.get_legend_handles_labels()
+        if right is not None:
+            more = right.get_legend_handles_labels()
+            lines, labels = lines + more[0], labels + more[1]
+        ax.legend(lines, labels, loc="upper right", fontsize=8)
+
+
+class _timing:
+    """Where each step's seconds went, stacked: the top edge is the step's wall time."""
+
+    @staticmethod
+    def wanted(metrics, evals) -> bool:
+        return any(key in metrics[0] for key in TIMINGS)
+
+    @staticmethod
+    def draw(ax, steps, metrics, evals):
+        keys = [key for key in TIMINGS if key != "generation_s" and any(m.get(key, 0) for m in metrics)]
+        ax.stackplot(steps, *[[m.get(key, 0.0) for m in metrics] for key in keys],
+                     labels=[TIMINGS[key] for key in keys], alpha=0.8)
+        if "generation_s" in metrics[0]:  # generation overlaps training (asynchronous): a line, not a layer
+            ax.plot(steps, [m["generation_s"] for m in metrics], color="k", lw=0.7, label="generation (overlapped)")
+        ax.set_title("seconds per step (trainer)")
+        ax.legend(loc="upper right", fontsize=8)
+        totals = [sum(m.get(key, 0.0) for key in keys) for m in metrics]
+        if len(totals) > 2 and totals[0] > 2 * max(totals[1:]):  # the first step also waits for start-up
+            ax.set_ylim(0, 1.3 * max(totals[1:]))
+            ax.annotate(f"step 1: {totals[0]:.0f} s (start-up)", (steps[0], 1.2 * max(totals[1:])), fontsize=8)

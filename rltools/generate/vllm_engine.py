@@ -14,9 +14,12 @@ Invariants:
 - An MLA model (DeepSeek-V3 class) on CPU uses vLLM's PyTorch rotary embedding (`_cpu_mla_rotary`).
 - With routing replay each completion carries the experts vLLM routed its sequence's tokens to
   (`enable_return_routed_experts`, GPU only: it needs vLLM's model runner V2, which needs triton).
+- vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says otherwise: at INFO it writes two lines per
+  weight reload and ~40 at start-up, which drown the role's own lines.
 """
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,8 @@ from ..config.schema import GeneratorConfig, ModelConfig
 from ..paths import RunPaths
 from ..rollout import FinishReason
 from ..weight_formats import WeightFormat
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read once, when vllm is first imported (below)
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _SEED_MOD = 2**31 - 1

@@ -23,6 +23,7 @@ def run_role(role: str, argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s", stream=sys.stdout)
     logging.getLogger("rltools").info("%s starting in %s (pid %d)", role, argv[0], os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars in a log file
     import torch
 
     if not torch.cuda.is_available():

@@ -4,8 +4,10 @@ Invariant: a step's line is formatted by `step_line` alone, for the live display
 `rltools status` alike, so both say the same thing the same way.
 """
 
+import datetime
 import os
 import sys
+from collections import deque
 
 from ..config.schema import RLConfig
 from ..paths import RunPaths
@@ -26,6 +28,7 @@ class Progress:
         self.paths, self.steps, self.k, self.quiet = paths, config.schedule.steps, config.eval.k, quiet
         self.tty = sys.stderr.isatty()
         self.inode, self.offset, self.printed = None, 0, False
+        self.recent = deque(maxlen=20)  # (step, time) of the latest records: the ETA's pace
         self.known = {_record_key(m) for m in self._new_records()}  # history
         self.shown_evals = dict(eval_files(paths))  # step -> mtime of the result file, history too
 
@@ -35,7 +38,9 @@ class Progress:
             if _record_key(m) in self.known:
                 continue
             self.known.add(_record_key(m))
-            lines.append((m["step"] + 1, False, step_line(m["step"] + 1, self.steps, m, timings=True)))
+            self.recent.append((m["step"], m.get("time")))
+            lines.append((m["step"] + 1, False,
+                          step_line(m["step"] + 1, self.steps, m, timings=True, eta_s=eta(list(self.recent), self.steps))))
         for step, mtime in eval_files(self.paths).items():
             if self.shown_evals.get(step) != mtime:
                 self.shown_evals[step] = mtime
@@ -83,9 +88,19 @@ def _record_key(record: dict) -> tuple:
     return record["step"], record.get("time")
 
 
-def step_line(done: int, total: int, m: dict | None = None, timings: bool = False) -> str:
+def eta(recent: list[tuple[int, float | None]], total: int) -> float | None:
+    """Seconds to the last step at the pace of `recent` (step, time) records (the latest last)."""
+    timed = [(step, t) for step, t in recent if t is not None]
+    if len(timed) < 2 or timed[-1][0] <= timed[0][0]:
+        return None
+    per_step = (timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0])
+    return max(0.0, (total - timed[-1][0] - 1) * per_step)
+
+
+def step_line(done: int, total: int, m: dict | None = None, timings: bool = False, eta_s: float | None = None) -> str:
     """`step done/total [bar]`, then the step's reward, accuracy and KL when there is a record `m`,
-    then its throughput and timings with `timings` (the live display has them; a status may not)."""
+    then its throughput and timings with `timings` (the live display has them; a status may not),
+    then the time left when `eta_s` is known."""
     bar = ("=" * int(20 * done / total)).ljust(20)
     line = f"step {done}/{total} [{bar}]"
     if m:
@@ -93,6 +108,10 @@ def step_line(done: int, total: int, m: dict | None = None, timings: bool = Fals
         if timings:
             line += (f" | {m['gen_tokens_per_s']:.0f} tok/s | gen {m['generation_s']:.2f}s "
                      f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s")
+            if m.get("sync_wait_s", 0) >= 0.1:  # the generators were busy (rank 0 evaluating)
+                line += f" (+{m['sync_wait_s']:.1f}s generators busy)"
+    if eta_s is not None and done < total:
+        line += f" | eta {datetime.timedelta(seconds=round(eta_s))}"
     return line
 
 

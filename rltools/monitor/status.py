@@ -7,7 +7,6 @@ Every wait here ends, with or without a deadline.
 """
 
 import dataclasses
-import datetime
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from ..launch.slurm import ACTIVE, job_state
 from ..paths import ROLES, RunPaths
 from ..runtime.preempt import EXIT_STOPPED
 from .logs import failing_log_tail
-from .progress import step_line
+from .progress import eta, step_line
 from .records import read_evals, read_metrics
 
 COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
@@ -98,7 +97,7 @@ def run_status(paths: RunPaths) -> RunStatus:
         step=metrics[-1]["step"] + 1 if metrics else 0,
         total_steps=config.schedule.steps,
         last_metrics=metrics[-1] if metrics else None,
-        eta_s=_eta(metrics, config.schedule.steps),
+        eta_s=eta([(m["step"], m.get("time")) for m in metrics[-20:]], config.schedule.steps) if metrics else None,
         eval_k=config.eval.k,
         evals={step: result["avg_at_k"] for step, result in read_evals(paths).items()},
         checkpoint=paths.latest_checkpoint(),
@@ -136,10 +135,8 @@ def format_status(status: RunStatus) -> str:
     for name, component in status.components.items():
         where = component["nodes"] or component["reason"]
         lines.append(f"  {name:<11} {component['state']:<11} {where}")
-    line = step_line(status.step, status.total_steps, status.last_metrics)
-    if status.eta_s is not None and status.state in ACTIVE:
-        line += f" | eta {datetime.timedelta(seconds=round(status.eta_s))}"
-    lines.append(line)
+    lines.append(step_line(status.step, status.total_steps, status.last_metrics,
+                           eta_s=status.eta_s if status.state in ACTIVE else None))
     if status.checkpoint:
         lines.append(f"checkpoint after {status.checkpoint} steps")
     if any(status.staleness):  # some step trained on rollouts of an older policy
@@ -175,14 +172,6 @@ def wait_for_end(paths: RunPaths, timeout_s: float | None = None, progress=None)
         if timeout_s is not None and waited > timeout_s:
             return status
         time.sleep(2.0)
-
-
-def _eta(metrics: list[dict], total: int) -> float | None:
-    recent = [m["time"] for m in metrics[-20:] if "time" in m]
-    if len(recent) < 2:
-        return None
-    per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
-    return max(0.0, (total - metrics[-1]["step"] - 1) * per_step)
 
 
 def _exit_codes(paths: RunPaths, attempt: int) -> dict[str, int]:

@@ -75,8 +75,10 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
             metrics = backend.trainer.step(batch)
             trained = time.perf_counter() - begin - waited
             export = eval_due(config, step + 1)  # the evaluated policies stay loadable by `rltools eval`
-            publisher.send(step + 1, export_to=paths.policy_dir(step + 1) if export else None)
-            synced = time.perf_counter() - begin - waited - trained  # at eval steps: with the export written
+            sync_wait = publisher.send(step + 1, export_to=paths.policy_dir(step + 1) if export else None)
+            # At eval steps the sync includes writing the export; sync_wait_s is the part the generators
+            # kept it waiting (rank 0 evaluates the previous version before it takes this one).
+            synced = time.perf_counter() - begin - waited - trained - sync_wait
             done = step + 1
             if env.rank == 0:
                 if export:
@@ -86,7 +88,12 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                                        "prompts_drawn": batch.prompts_drawn,
                                        "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
                                        "generation_s": batch.generation_seconds, "wait_s": waited,
-                                       "training_s": trained, "sync_s": synced, "time": time.time()})
+                                       "training_s": trained, "sync_s": synced, "sync_wait_s": sync_wait,
+                                       "time": time.time()})
+                log.info("step %d/%d: loss %.4f grad norm %.3f reward %.3f kl %.4f entropy %.3f | wait %.2fs "
+                         "train %.2fs sync %.2fs, generators busy %.2fs", done, schedule.steps, metrics["loss"],
+                         metrics["grad_norm"], metrics["reward_mean"], metrics["kl"], metrics["entropy"], waited,
+                         trained, synced, sync_wait)
             if done % schedule.checkpoint_every == 0 or done == schedule.steps:
                 backend.save(paths, done, keep=schedule.keep_checkpoints)
                 checkpointed = done

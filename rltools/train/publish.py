@@ -30,12 +30,13 @@ class Publisher:
         # Generators join only now (after the resume): they never see shards or checkpoints in flux.
         self.sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
 
-    def send(self, version: int, export_to: Path | None = None) -> None:
+    def send(self, version: int, export_to: Path | None = None) -> float:
         """Broadcast `version`'s weights (collective over the trainer ranks); with `export_to`, rank 0
-        also writes them there as a policy export while they pass."""
+        also writes them there as a policy export while they pass. Returns the seconds rank 0 waited
+        for the generators to take them (0 on other ranks): a generator evaluating makes it wait."""
         faults.point("trainer.sync", version)
         weights = self.format.export(self.backend)
-        writer = None
+        writer, waited = None, 0.0
         if export_to is not None and self.env.rank == 0:
             writer = PolicyWriter(export_to, self.format, version)
             weights = _tee(weights, writer.add)
@@ -44,7 +45,7 @@ class Publisher:
                 pass
         else:
             try:
-                self.sender.broadcast(weights, version=version, kind=self.format.name)
+                waited = self.sender.broadcast(weights, version=version, kind=self.format.name).waited_s
             except WeightSyncError:
                 if not self.stop.requested:
                     raise
@@ -55,6 +56,7 @@ class Publisher:
                     pass
         if writer is not None:
             writer.close()
+        return waited
 
 
 def host_weight_sync(env: RoleEnv, paths: RunPaths, config):

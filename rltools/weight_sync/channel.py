@@ -64,6 +64,8 @@ class Transfer(NamedTuple):
     tensors: int
     nbytes: int
     pieces: int
+    waited_s: float = 0.0
+    """Sender: seconds until every receiver took the header (busy receivers, e.g. evaluating)."""
 
 
 class _Pending(NamedTuple):
@@ -248,7 +250,9 @@ class WeightSender:
         meta = json.dumps({"kind": kind, "tensors": plan.tensors, "pieces": plan.pieces}).encode()
         device, ops = self.group.device, self._ops
         header = torch.tensor([MAGIC, version, len(meta), len(plan.pieces)], dtype=torch.int64, device=device)
+        begin = time.perf_counter()
         ops.wait(ops.broadcast(header, f"header of version {version} (waiting for every generator worker to receive)", timeout_s))
+        waited = time.perf_counter() - begin
         ops.wait(ops.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device),
                                f"metadata of version {version}"))
         try:
@@ -261,7 +265,7 @@ class WeightSender:
         rows = ops.acknowledge(OK, None, f"acknowledgement of version {version} by the generator workers")
         self._raise_for_refusals(rows, version)
         self.last_version = version
-        return Transfer(version, kind, len(specs), sum(s[3] for s in specs), len(plan.pieces))
+        return Transfer(version, kind, len(specs), sum(s[3] for s in specs), len(plan.pieces), waited)
 
     def _send_pieces(self, take: Callable[[int], torch.Tensor], plan: _Plan, version: int) -> None:
         in_flight: deque = deque()

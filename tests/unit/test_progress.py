@@ -47,3 +47,21 @@ def test_a_resume_that_rewrites_the_metrics_shows_each_new_step_once(repo, tmp_p
     progress.update()
     lines = shown(capsys)
     assert lines[0] == "(the job restarted from its checkpoint after 0 steps)" and lines[1].startswith("step 6/10")
+
+
+def test_step_lines_carry_the_time_left_at_the_recent_pace(repo, tmp_path, capsys):
+    config = load_config(repo / "configs" / "demo.yaml", [f"run.dir={tmp_path}", "schedule.steps=10"])
+    paths = RunPaths(tmp_path)
+    progress = Progress(config, paths)
+    paths.metrics.write_text(record(0, 100.0))
+    progress.update()
+    assert "eta" not in shown(capsys)[0], "one step gives no pace"
+    with open(paths.metrics, "a") as f:
+        f.write(record(1, 102.0) + record(2, 104.0))  # 2 s a step, 7 steps left
+    progress.update()
+    assert [line.split(" | ")[-1] for line in shown(capsys)] == ["eta 0:00:16", "eta 0:00:14"]
+    with open(paths.metrics, "a") as f:
+        f.write(json.dumps({**json.loads(record(9, 118.0)), "sync_wait_s": 2.5}) + "\n")
+    progress.update()
+    last = shown(capsys)[-1]
+    assert "eta" not in last and "(+2.5s generators busy)" in last, last
