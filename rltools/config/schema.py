@@ -257,6 +257,10 @@ class ClusterConfig(Section):
     """Slurm QOS, e.g. a preemptible one."""
     time: SlurmTime = "01:00:00"
     """Wall-time limit of the job."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Memory of one GPU in GiB (e.g. 80 for an H100 80GB, 139 for an H200). With it, submit and
+    --dry-run judge the memory estimate per trainer rank and per generator GPU (docs/memory.md), and
+    submit refuses a job that clearly does not fit; unset: the estimate is printed without a verdict."""
     generators: ComponentConfig = ComponentConfig()
     """Hetjob component 0: the vLLM generation engines."""
     trainers: ComponentConfig = ComponentConfig()

@@ -10,6 +10,7 @@ from ..config.schema import ComponentConfig, RLConfig
 from ..config.support import megatron_unsupported
 from ..errors import UserError
 from ..runtime.role_env import GENERATOR_GROUP, TRAINER_GROUP
+from .memory import memory_lines
 
 
 @dataclass(frozen=True)
@@ -96,4 +97,5 @@ def describe(config: RLConfig, components: list[Component]) -> str:
         f"  schedule: {s.steps} steps x {s.prompts_per_step} prompts x {s.group_size} samples, "
         f"max_staleness {s.max_staleness}, checkpoint every {s.checkpoint_every}"
     )
+    lines += memory_lines(config)
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config.schema import RLConfig
 from ..errors import UserError
 from ..weight_formats import weight_format
+from .memory import check_memory
 
 WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
@@ -22,6 +23,7 @@ def preflight(config: RLConfig) -> None:
     model_config = check_model_dir(Path(config.model.path))
     check_lora_targets(config, model_config)
     check_routing_replay(config, model_config)
+    check_memory(config, model_config)
     check_data(config)
 
 
