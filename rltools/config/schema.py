@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .types import (
+    ContainerMount,
     EnvName,
     EnvPath,
     RunName,
@@ -244,6 +245,37 @@ class ComponentConfig(Section):
         return self.nodes * self.ntasks_per_node
 
 
+class ContainerConfig(Section):
+    runtime: Literal["none", "pyxis", "apptainer"] = "none"
+    """none: tasks run on the nodes as they are; pyxis: each job step starts in an enroot container
+    (srun --container-image); apptainer: each task runs under `apptainer exec`. Needs cluster.launcher:
+    slurm. With none the other container keys are unused. Guide: docs/containers.md."""
+    image: EnvPath | None = None
+    """The image, with rltools (the version on the login node), its job dependencies and submitit
+    installed. pyxis: an enroot URI like nvcr.io#nvidia/pytorch:25.01-py3 or a squashfs file's absolute
+    path; apptainer: a .sif file's absolute path (or a docker:// URI)."""
+    mounts: list[ContainerMount] = []
+    """Extra bind mounts, each SRC:DST or SRC:DST:ro with absolute paths. The run directory (read-write),
+    model.path and the data files' directories (read-only) are mounted at their own paths without
+    being listed, unless a mount here already covers them."""
+    workdir: EnvPath | None = None
+    """Working directory of the tasks inside the container (absolute); default: the run directory."""
+    python: str = "python3"
+    """Interpreter inside the image that runs the role entry points (a name on the image's PATH or an
+    absolute path); cluster.python names the login node's, which the image does not have."""
+
+    @model_validator(mode="after")
+    def _image_and_paths(self):
+        if self.runtime != "none" and not self.image:
+            raise ValueError(f"cluster.container.runtime: {self.runtime} needs cluster.container.image: the image to run in")
+        for key, value in (("image", self.image), ("workdir", self.workdir), ("python", self.python)):
+            if value is not None and (not value.strip() or "\n" in value or "\r" in value):
+                raise ValueError(f"cluster.container.{key} must be one non-empty line, got {value!r}")
+        if self.workdir and not self.workdir.startswith("/"):
+            raise ValueError(f"cluster.container.workdir must be an absolute path, got {self.workdir!r}")
+        return self
+
+
 class ClusterConfig(Section):
     model_config = ConfigDict(coerce_numbers_to_str=True)  # environment: {OMP_NUM_THREADS: 1}
 
@@ -271,7 +303,8 @@ class ClusterConfig(Section):
     environment: dict[EnvName, str] = {}
     """Environment variables exported to every task (values are shell-quoted)."""
     python: EnvPath | None = None
-    """Python interpreter that runs the role entry points; default: the one running rltools."""
+    """Python interpreter that runs the role entry points; default: the one running rltools. In a
+    container cluster.container.python runs them instead."""
     preempt_signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = "USR2"
     """Signal Slurm sends to the tasks preempt_grace_s seconds before the time limit."""
     preempt_grace_s: int = Field(90, ge=10, le=65535)
@@ -282,6 +315,16 @@ class ClusterConfig(Section):
     """Give up after this many restarts."""
     sbatch_extra: dict[SbatchOption, SbatchValue] = {}
     """Extra job-level sbatch options, e.g. {constraint: gpu, exclusive: ''} -> --constraint=gpu --exclusive."""
+    container: ContainerConfig = ContainerConfig()
+    """The container each task runs in (pyxis or apptainer); by default none."""
+
+    @model_validator(mode="after")
+    def _container_needs_slurm(self):
+        if self.container.runtime != "none" and self.launcher == "local":
+            raise ValueError(f"cluster.container.runtime: {self.container.runtime} needs cluster.launcher: slurm (the local "
+                             "launcher starts plain processes here, without a container runtime); set cluster.launcher: "
+                             "slurm, or cluster.container.runtime: none to run without the container")
+        return self
 
 
 class RLConfig(Section):

@@ -74,3 +74,13 @@ SbatchValue = Annotated[
     ),
 ]
 ShellLine = Annotated[str, AfterValidator(_single_line)]
+ContainerMount = Annotated[
+    str,
+    AfterValidator(expand_env),
+    _matching(  # both container runtimes split a mount list at commas and a mount at colons
+        r"/[^\s,:'\"\\]*:/[^\s,:'\"\\]*(:ro|:rw)?",
+        "SRC:DST or SRC:DST:ro, absolute paths without spaces, quotes, backslashes, commas or colons, "
+        "e.g. /scratch/data:/data:ro",
+    ),
+]
+"""A container bind mount; `${VAR}` and `~` are expanded first, like EnvPath."""

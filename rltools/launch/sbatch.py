@@ -1,7 +1,8 @@
 """Render the heterogeneous sbatch script from `templates/sbatch/` — a pure function of the config.
 
 Invariant: config values reach the script only as validated `#SBATCH` words (checked by the config
-types, plus the run-directory check below) or shell-quoted through the template's `q` filter.
+types, plus the run-directory check below) or shell-quoted: through the template's `q` filter, or by
+`shlex.quote` for the words of a task's command (`cluster.container`: see `launch.container`).
 The user's `cluster.setup` lines are the one exception: they are the user's own shell code.
 """
 
@@ -15,6 +16,7 @@ from .. import __version__
 from ..config.schema import RLConfig
 from ..errors import UserError
 from ..paths import RunPaths
+from . import container
 from .plan import Component, plan
 
 # rltools/templates links to the top-level templates/ in a checkout and is a real directory in a wheel.
@@ -59,6 +61,7 @@ def render_sbatch(
                 "name": c.name,
                 "role": c.role,
                 "command": _task_command(config, c, (commands or {}).get(c.role)),
+                "container_options": container.srun_options(config),
                 "options": component_options(c, config.cluster.partition, paths),
             }
             for c in components
@@ -73,9 +76,15 @@ def render_sbatch(
 
 
 def _task_command(config: RLConfig, component: Component, argv: list[str] | None) -> str:
+    """The task's command line; in an apptainer container, behind an `apptainer exec ... IMAGE` line."""
+    prefix = container.exec_prefix(config, gpus=component.resources.gpus_per_node > 0)
     if argv is None:
-        return f'{shlex.quote(str(config.cluster.python))} -m {component.entry} "$RLTOOLS_RUN_DIR"'
-    return " ".join(shlex.quote(str(word)) for word in argv)
+        command = f'{shlex.quote(container.python(config))} -m {component.entry} "$RLTOOLS_RUN_DIR"'
+    else:
+        command = " ".join(shlex.quote(str(word)) for word in argv)
+    if not prefix:
+        return command
+    return " ".join(shlex.quote(word) for word in prefix) + " \\\n    " + command  # continued on the next line
 
 
 def job_options(config: RLConfig) -> list[str]:

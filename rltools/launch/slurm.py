@@ -38,6 +38,7 @@ from ..config.schema import RLConfig
 from ..errors import UserError
 from ..paths import ROLES, RunPaths
 from ..runtime.role_env import GENERATOR_GROUP, TRAINER_GROUP
+from . import container
 from .run_lock import RunInUse
 from .sbatch import render_sbatch
 
@@ -116,12 +117,12 @@ class HetJobExecutor(submitit.SlurmExecutor):
         super().__init__(
             folder=paths.submitit_dir("trainer"),
             max_num_timeout=config.cluster.max_requeues,
-            python=shlex.quote(str(config.cluster.python)),
+            python=shlex.quote(container.python(config)),
         )
         self.parameters["time"] = minutes(config.cluster.time)  # submitit's preemption-vs-timeout arithmetic
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        python = str(self.config.cluster.python)
+        python = container.python(self.config)  # render_sbatch puts the container around the command
         commands = {  # SUBMITIT_EXECUTOR tells submitit's task side which cluster it runs on
             role: ["env", "SUBMITIT_EXECUTOR=slurm", python, "-u", "-m", "submitit.core._submit",
                    str(self.paths.submitit_dir(role))]
@@ -226,8 +227,10 @@ class EvalExecutor(submitit.SlurmExecutor):
     def __init__(self, config: RLConfig, paths: RunPaths):
         folder = paths.slurm_dir / "submitit" / "eval"
         folder.mkdir(parents=True, exist_ok=True)
-        super().__init__(folder=folder, max_num_timeout=0, python=shlex.quote(str(config.cluster.python)))
         cluster, gens = config.cluster, config.cluster.generators
+        # In a container: apptainer's prefix goes before the interpreter, pyxis's options on submitit's srun line.
+        python = [*container.exec_prefix(config, gpus=gens.gpus_per_node > 0), container.python(config)]
+        super().__init__(folder=folder, max_num_timeout=0, python=" ".join(shlex.quote(word) for word in python))
         extra = {"mem": gens.mem} if gens.mem is not None else {}
         self.update_parameters(
             job_name=f"{config.run.name}-eval",
@@ -240,6 +243,7 @@ class EvalExecutor(submitit.SlurmExecutor):
             cpus_per_task=gens.cpus_per_task,
             gpus_per_node=gens.gpus_per_node or None,
             setup=[*cluster.setup, *(f"export {k}={shlex.quote(v)}" for k, v in sorted(cluster.environment.items()))],
+            srun_args=[f"{option}={value}" for option, value in container.srun_options(config)],
             additional_parameters=extra,
         )
 
