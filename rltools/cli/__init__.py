@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override a key of a CONFIG (not of a run directory's config)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.add_argument("--verbose", action="store_true",
+                          help="show vLLM's output (default: kept in a log file, printed only if the evaluation fails)")
     where = evaluate.add_mutually_exclusive_group()
     where.add_argument("--slurm", dest="where", action="store_const", const="slurm",
                        help="run as a Slurm job on one generator's resources (default when cluster.launcher is slurm)")

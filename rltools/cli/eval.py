@@ -1,16 +1,20 @@
 """`rltools eval`: one policy of a run, evaluated here (vLLM in this process) or as a Slurm job.
 
 Invariant: light at import, like the rest of the command line; stdout carries the result only.
+Evaluated here, vLLM's own output (its warnings, C++ and progress-bar lines that no logging setting
+reaches) goes to a log file, which is shown when the evaluation fails; --verbose shows it live.
 """
 
+import contextlib
+import os
 import sys
+import tempfile
 
 from ..config import load_config
 from ..errors import UserError
 
 
 def cmd_eval(args) -> int:
-    import contextlib
     import json
 
     from ..paths import RunPaths
@@ -33,7 +37,9 @@ def cmd_eval(args) -> int:
             run_eval,  # light itself; vLLM is imported only once the checkpoint is found
         )
 
-        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
+        print(f"evaluating {args.checkpoint} of {paths.root} ...", file=sys.stderr, flush=True)
+        with (contextlib.nullcontext() if args.verbose else _output_to_log()), \
+                contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
             result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
     if args.json:
         print(json.dumps(result))
@@ -62,6 +68,34 @@ def _eval_on_slurm(config, paths, args) -> dict:
         return job.result()
     except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
         raise UserError(f"eval job {job.job_id} failed; its log {job.paths.stdout}:\n{err}") from None
+
+
+@contextlib.contextmanager
+def _output_to_log():
+    """File descriptors 1 and 2 into a log file for the duration; on an error its tail is printed."""
+    log = tempfile.NamedTemporaryFile("w+b", prefix="rltools-eval-", suffix=".log", delete=False)
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    try:
+        for fd in saved:
+            os.dup2(log.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+    except BaseException:
+        log.seek(0)
+        tail = log.read().decode(errors="replace").splitlines()[-30:]
+        print("\n".join(tail) + f"\n(vLLM's whole output: {log.name})", file=sys.stderr)
+        raise
+    else:
+        os.unlink(log.name)
+    finally:
+        for copy in saved.values():
+            os.close(copy)
+        log.close()
 
 
 def _per_problem(accuracy: list[float], k: int) -> str:
