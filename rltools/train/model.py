@@ -153,13 +153,13 @@ def export_weights(model: nn.Module, lora_scale: float | None,
     modules so named (`fused_layers.module_of`). Collective under FSDP2: every trainer rank must
     iterate it; the tensors are complete on all of them.
 
-    Gathers one full state dict: fine for models whose full weights are synced; for very large
-    models sync the LoRA adapters instead.
+    Gathers the weights it exports at once (every weight: fine for models whose full weights are
+    synced; for very large models sync the LoRA adapters instead); with `modules`, only those.
     """
-    state = _full_state_dict(model)
-    if modules is not None:
-        state = {name: tensor for name, tensor in state.items()
-                 if _LORA_WEIGHT.fullmatch(name) or module_of(name.replace(".base_layer.", ".")) in modules}
+    def wanted(name: str) -> bool:
+        return modules is None or bool(_LORA_WEIGHT.fullmatch(name)) or module_of(name.replace(".base_layer.", ".")) in modules
+
+    state = _full_state_dict(model, wanted)
     if any(tensor.dtype == torch.float8_e4m3fn for tensor in state.values()):  # NVFP4 block scales, FP8 weights
         from ..quant.linear import unstack_experts
         from ..quant.nvfp4_checkpoint import dequantized_state
@@ -202,18 +202,22 @@ def checkpoint_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
 def export_adapter(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT name, full tensor) of every LoRA weight, named as in a saved PEFT adapter
     (`...q_proj.lora_A.weight`). Collective under FSDP2, like `export_weights`."""
-    for name, tensor in _full_state_dict(model).items():
+    for name, tensor in _full_state_dict(model, lambda name: bool(_LORA_WEIGHT.fullmatch(name))).items():
         match = _LORA_WEIGHT.fullmatch(name)
-        if match:
-            yield f"{match.group(1)}.lora_{match.group(2)}.weight", tensor
+        yield f"{match.group(1)}.lora_{match.group(2)}.weight", tensor
 
 
-def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def _full_state_dict(model: nn.Module, wanted=lambda name: True) -> dict[str, torch.Tensor]:
+    """The `wanted` tensors (by clean name), whole: under FSDP2 only those are gathered, so exporting
+    an adapter never holds the base model. Every rank asks for the same names in the same order."""
     state = {}
     for name, tensor in model.state_dict().items():
+        name = _clean(name)
+        if not wanted(name):
+            continue
         if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: all-gather the shards
             tensor = _gather(tensor)
-        state[_clean(name)] = tensor.detach()
+        state[name] = tensor.detach()
     return state
 
 
