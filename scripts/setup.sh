@@ -37,6 +37,21 @@ else
     fi
     echo "$want" > "$stamp"
 fi
+# The sandbox (rltools/sandbox, docs/sandbox.md) runs untrusted code in bubblewrap, a Debian package.
+if ! command -v bwrap >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        stage="installing bubblewrap with apt-get (log: /tmp/rltools-setup-apt.log)"
+        echo "setup: installing bubblewrap, the sandbox's container, with apt-get"
+        t=$SECONDS
+        {
+            apt-get update -qq &&
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap
+        } >/tmp/rltools-setup-apt.log 2>&1 || { tail -n 20 /tmp/rltools-setup-apt.log >&2; false; }
+        echo "setup: bubblewrap installed in $((SECONDS - t)) s"
+    else
+        echo "setup: no bwrap: rltools.sandbox needs the package bubblewrap (as root: apt-get install bubblewrap)" >&2
+    fi
+fi
 stage="importing rltools"
 .venv/bin/python -c "import rltools; print('setup: rltools', rltools.__version__, 'ready in .venv')"
 echo "setup: done in $((SECONDS - began)) s"
