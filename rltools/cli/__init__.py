@@ -144,10 +144,18 @@ def cmd_submit(args) -> int:
     config = load_config(args.config, args.overrides)
     script = render_sbatch(config)
     if args.dry_run:
-        print(describe(config, plan(config)), file=sys.stderr)
+        from ..launch.preflight import preflight
+
+        notes = preflight(config)  # reads only: what submit would refuse, --dry-run refuses too
+        print(_summary(config, notes), file=sys.stderr)
         sys.stdout.write(script)
         return 0
     return launch(config, script, args.wait, by="rltools submit")
+
+
+def _summary(config, notes: list[str]) -> str:
+    """The job's topology and memory estimate, then what preflight could not check from here."""
+    return "\n".join([describe(config, plan(config)), *(f"note: {note}" for note in notes)])
 
 
 def cmd_resume(args) -> int:
@@ -183,7 +191,7 @@ def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...]
     from ..launch.run_lock import describe as describe_holder
     from ..launch.slurm import refuse_if_active
 
-    preflight(config)
+    notes = preflight(config)
     local = config.cluster.launcher == "local"
     paths = create_run_dir(config)
     with RunLock.acquire(paths, by=f"{by} (local launcher)" if local else f"{by} (submitting)") as lock:
@@ -192,7 +200,7 @@ def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...]
                   file=sys.stderr)
         refuse_if_active(paths)  # a requeued Slurm job between attempts holds no lock but owns the run
         prepare_run_dir(config, script, may_change)
-        print(describe(config, plan(config)), file=sys.stderr)
+        print(_summary(config, notes), file=sys.stderr)
         if local:
             from ..launch.local import run_local
             from ..monitor.progress import Progress
@@ -227,14 +235,14 @@ def cmd_render(args) -> int:
 
     config = load_config(args.config, args.overrides)
     script = render_sbatch(config)
-    preflight(config)
+    notes = preflight(config)
     with RunLock.acquire(create_run_dir(config), by="rltools render"):  # never rewrite a running job's files
         paths = prepare_run_dir(config, script)
     target = args.output or paths.sbatch_script
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(script)
-    print(describe(config, plan(config)), file=sys.stderr)
+    print(_summary(config, notes), file=sys.stderr)
     print(f"wrote {target}; submit it with: sbatch {target}", file=sys.stderr)
     return 0
 

@@ -19,12 +19,31 @@ WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 
 
-def preflight(config: RLConfig) -> None:
-    model_config = check_model_dir(Path(config.model.path))
-    check_lora_targets(config, model_config)
-    check_routing_replay(config, model_config)
-    check_memory(config, model_config)
-    check_data(config)
+def preflight(config: RLConfig) -> list[str]:
+    """Check what can be checked from here; returns notes on what could not. Under Slurm a path this
+    node does not see (node-local scratch, a filesystem mounted on compute nodes only) is noted, not
+    refused: the job's nodes may see it. A path that is here and wrong is always refused."""
+    notes = []
+    hidden = [(key, path) for key, path in _paths(config) if not Path(path).exists()]
+    if config.cluster.launcher == "slurm":
+        notes = [f"{key} {path} is not visible from this node: not checked here (the job's nodes must see it)"
+                 for key, path in hidden]
+    else:
+        hidden = []
+    if ("model.path", config.model.path) not in hidden:
+        model_config = check_model_dir(Path(config.model.path))
+        check_lora_targets(config, model_config)
+        check_routing_replay(config, model_config)
+        check_memory(config, model_config)
+    check_data(config, skip={path for _, path in hidden})
+    return notes
+
+
+def _paths(config: RLConfig) -> list[tuple[str, str]]:
+    paths = [("model.path", config.model.path)]
+    if config.data.type != "arithmetic":
+        paths += [("data.train_path", str(config.data.train_path)), ("data.eval_path", str(config.data.eval_path))]
+    return paths
 
 
 def check_model_dir(path: Path) -> dict:
@@ -113,9 +132,10 @@ def _safetensors_header(file: Path) -> dict:
     return header
 
 
-def check_data(config: RLConfig) -> None:
+def check_data(config: RLConfig, skip: set[str] = frozenset()) -> None:
     """Parse the problem files as the generators will (the same function): a bad line stops the
-    launch here, with its file and line named, instead of after the job started."""
+    launch here, with its file and line named, instead of after the job started. Files in `skip`
+    (not visible from this node) are left to the job."""
     data = config.data
     if data.type == "arithmetic":
         return
@@ -123,5 +143,7 @@ def check_data(config: RLConfig) -> None:
     from ..reward.verifiers import INTEGER_TYPES
 
     for path in dict.fromkeys((data.train_path, data.eval_path)):
+        if str(path) in skip:
+            continue
         load_problems(path, data.type, data.prompt_key, data.answer_key, data.prompt_template, data.dedupe,
                       config.reward.type in INTEGER_TYPES)

