@@ -30,7 +30,7 @@ def plot_run(paths: RunPaths, output: Path) -> None:
 
     steps = [m["step"] + 1 for m in metrics]
     evals = read_evals(paths)
-    panels = [p for p in (_held_out, _reward, _policy, _timing) if p.wanted(metrics, evals)]
+    panels = [p for p in (_held_out, _reward, _tools, _policy, _timing) if p.wanted(metrics, evals)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.9 * len(panels)), sharex=True, squeeze=False)
     for panel, ax in zip(panels, axes[:, 0]):
         panel.draw(ax, steps, metrics, evals)
@@ -113,6 +113,29 @@ class _reward:
                     label=f"{label} (mean of {window} steps)" if window > 1 else label)
         ax.set_title("training samples")
         ax.legend(loc="lower right", fontsize=8)
+
+
+class _tools:
+    """Multi-turn runs: the share of samples that called a tool, and of calls that failed."""
+
+    @staticmethod
+    def wanted(metrics, evals) -> bool:
+        return "tool_call_rate" in metrics[0]
+
+    @staticmethod
+    def draw(ax, steps, metrics, evals):
+        window = max(1, len(metrics) // 30)
+        for key, label, color in (("tool_call_rate", "samples calling a tool", "C9"),
+                                  ("tool_error_rate", "calls that failed", "C3")):
+            values = [m.get(key, 0.0) for m in metrics]
+            ax.plot(steps, values, color=color, lw=0.6, alpha=FAINT)
+            ax.plot(steps, smooth(values, window), color=color, lw=1.6, label=label)
+        at = [s for s in sorted(evals) if "tool_call_rate" in evals[s]]
+        if at:
+            ax.plot(at, [evals[s]["tool_call_rate"] for s in at], "o", color="C9", label="held-out: calling a tool")
+        ax.set_ylim(0, 1)
+        ax.set_title("tool use")
+        ax.legend(loc="center right", fontsize=8)
 
 
 class _policy:

@@ -9,7 +9,14 @@ import os
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, values are frozen, each field's docstring is its doc."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

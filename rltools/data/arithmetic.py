@@ -6,7 +6,7 @@ Format (fixed: the tiny model in rltools/assets/tiny-arith was pretrained on exa
     completion  "81" + EOS          the answer in canonical decimal: ASCII digits only, no sign,
                                     no leading zeros ("0" is the only answer that starts with "0")
 
-Templates, one picked uniformly per problem: a+b and a-b (a, b <= 99, b <= a for a-b), a*b
+Templates (data.type arithmetic), one picked uniformly per problem: a+b and a-b (a, b <= 99, b <= a for a-b), a*b
 (a, b <= 12), a*b+c (1 <= a, b <= 9, c <= 20). Answers are 0..198; prompts at most 16 characters.
 16,920 distinct questions; 1,633 held out (942 a+b, 517 a-b, 15 a*b, 159 a*b+c). Eval lists
 are distinct, so the small a*b and a*b+c pools run dry and longer lists lean towards a+b and a-b,
@@ -66,9 +66,17 @@ def _mul_add(rng: random.Random) -> tuple[str, int]:
     return f"{a}*{b}+{c}", a * b + c
 
 
+def _product(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a}*{b}", a * b
+
+
 # Harder mixes (three operands, wider ranges) left the ~1M-parameter model far below 30% after
 # minutes of pretraining; these four reach it in ~3 CPU minutes.
 TEMPLATES: tuple[Callable[[random.Random], tuple[str, int]], ...] = (_add, _sub, _mul, _mul_add)
+# data.type products: two-digit products (8,100 questions, ~810 held out), too hard for a tiny model
+# to do in its head; the tool demo's model learns to call a calculator for them.
+FAMILIES = {"arithmetic": TEMPLATES, "products": (_product,)}
 
 
 def _digest(text: str) -> int:
@@ -80,7 +88,7 @@ def split_of(question: str) -> str:
     return "eval" if _digest(question) % EVAL_BUCKETS == 0 else "train"
 
 
-def _draw(key: str, split: str, n: int) -> list[Problem]:
+def _draw(key: str, split: str, n: int, family: str = "arithmetic") -> list[Problem]:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if n < 0:
@@ -89,7 +97,7 @@ def _draw(key: str, split: str, n: int) -> list[Problem]:
     seen: dict[str, Problem] = {}
     misses = 0
     while len(seen) < n:
-        expression, answer = rng.choice(TEMPLATES)(rng)
+        expression, answer = rng.choice(FAMILIES[family])(rng)
         question = f"What is {expression}?"
         if question in seen or split_of(question) != split:
             misses += 1
@@ -101,18 +109,18 @@ def _draw(key: str, split: str, n: int) -> list[Problem]:
     return list(seen.values())
 
 
-def problems(seed: int, split: str, n: int) -> list[Problem]:
-    """`n` distinct problems of `split`, a pure function of (seed, split, n).
+def problems(seed: int, split: str, n: int, family: str = "arithmetic") -> list[Problem]:
+    """`n` distinct problems of `split` from `family` (a FAMILIES key), a pure function of its arguments.
 
     The first k of problems(s, split, n) are problems(s, split, k): a longer list extends a
     shorter one. Raises ValueError when the split holds fewer than `n` questions.
     """
-    return _draw(f"problems/{seed}/{split}", split, n)
+    return _draw(f"problems/{seed}/{split}", split, n, family)
 
 
-def train_prompts(seed: int, epoch: int, step: int, count: int) -> list[Problem]:
-    """Step `step`'s `count` distinct training problems, a pure function of (seed, epoch, step)."""
-    return _draw(f"train_prompts/{seed}/{epoch}/{step}", "train", count)
+def train_prompts(seed: int, epoch: int, step: int, count: int, family: str = "arithmetic") -> list[Problem]:
+    """Step `step`'s `count` distinct training problems, a pure function of (seed, epoch, step, family)."""
+    return _draw(f"train_prompts/{seed}/{epoch}/{step}", "train", count, family)
 
 
 def format_answer(answer: int) -> str:

@@ -22,16 +22,17 @@ from .order import DataOrder
 class ArithmeticTask:
     seed: int
     reward: Reward
+    family: str = "arithmetic"  # data.type: arithmetic or products
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
-        return arithmetic.train_prompts(self.seed, epoch=0, step=step, count=count)
+        return arithmetic.train_prompts(self.seed, epoch=0, step=step, count=count, family=self.family)
 
     def replacement_problems(self, step: int, draw: int, count: int) -> list[Problem]:
         """Draw `draw` (1, 2, ...) of step `step`'s replacements for groups that taught nothing."""
-        return arithmetic.train_prompts(self.seed, epoch=draw, step=step, count=count)
+        return arithmetic.train_prompts(self.seed, epoch=draw, step=step, count=count, family=self.family)
 
     def eval_problems(self, count: int) -> list[Problem]:
-        return arithmetic.problems(self.seed, "eval", count)
+        return arithmetic.problems(self.seed, "eval", count, self.family)
 
 
 @dataclass
@@ -58,10 +59,10 @@ class FileTask:
 
 
 def make_task(data: DataConfig, reward: RewardConfig, seed: int) -> ArithmeticTask | FileTask:
-    if data.type == "arithmetic":
+    if data.type in arithmetic.FAMILIES:
         if reward.type != "exact_integer":
-            raise UserError(f"data.type arithmetic is scored by reward.type exact_integer, not {reward.type}")
-        return ArithmeticTask(seed, make_reward(reward))
+            raise UserError(f"data.type {data.type} is scored by reward.type exact_integer, not {reward.type}")
+        return ArithmeticTask(seed, make_reward(reward), data.type)
     integer = reward.type in INTEGER_TYPES
 
     def load(path):

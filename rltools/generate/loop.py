@@ -92,11 +92,13 @@ def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share:
     `problems`); `draw` > 0: a dynamic-sampling round (its own seeds and group ids)."""
     schedule = config.schedule
     results = engine.sample(
-        [problems[i].prompt for i in share],
+        [problems[i] for i in share],
         n=schedule.group_size,
         seeds=[request_seed(config.run.seed, step, draw * schedule.prompts_per_step + i, schedule.group_size)
                for i in share],
+        env=config.env,
     )
+    episodes = config.env.type != "single_turn"  # the rollouts carry which tokens the model wrote
     rewards = iter(task.reward.score(
         [c.text for result in results for c in result.completions],
         [problems[i].answer for i, result in zip(share, results) for _ in result.completions],
@@ -113,6 +115,8 @@ def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share:
                 finish_reason=c.finish_reason,
                 text=c.text,
                 routed_experts=c.routed_experts,
+                **({"completion_mask": c.mask, "turns": c.turns, "tool_calls": c.tool_calls,
+                    "tool_errors": c.tool_errors} if episodes else {}),
             )
             for j, c in enumerate(result.completions)
         ]
@@ -161,17 +165,19 @@ def evaluate(engine: VLLMEngine, task, config, k: int | None = None, count: int 
     k = k or config.eval.k
     problems = task.eval_problems(count or config.eval.problems)
     start = time.perf_counter()
-    results = engine.sample(
-        [p.prompt for p in problems],
-        n=k,
-        seeds=[request_seed(config.run.seed, -1, i, k) for i in range(len(problems))],
-    )
+    results = engine.sample(problems, n=k, seeds=[request_seed(config.run.seed, -1, i, k) for i in range(len(problems))],
+                            env=config.env)
     completions = [c for r in results for c in r.completions]
     scores = task.reward.score([c.text for c in completions], [p.answer for p in problems for _ in range(k)])
     correct = np.array(scores).reshape(len(problems), k) > 0.5
     tokens = np.array([len(c.token_ids) for c in completions])
     truncated = float(np.mean([c.finish_reason == FinishReason.LENGTH for c in completions]))
-    return {**summarize(correct, tokens), "truncated_fraction": round(truncated, 4),
+    tools = {}
+    if config.env.type == "tools":  # how often the policy reached for its tools, and how often they failed
+        calls = sum(c.tool_calls for c in completions)
+        tools = {"tool_call_rate": round(float(np.mean([c.tool_calls > 0 for c in completions])), 4),
+                 "tool_error_rate": round(sum(c.tool_errors for c in completions) / calls, 4) if calls else 0.0}
+    return {**summarize(correct, tokens), "truncated_fraction": round(truncated, 4), **tools,
             "seconds": round(time.perf_counter() - start, 2)}
 
 

@@ -33,7 +33,6 @@ from ..weight_formats import WeightFormat
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read once, when vllm is first imported (below)
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _SEED_MOD = 2**31 - 1
 
 
@@ -44,6 +43,10 @@ class Completion:
     text: str
     finish_reason: FinishReason
     routed_experts: np.ndarray | None = None  # [prompt + completion - 1, MoE layers, top-k] (routing replay)
+    mask: list[int] | None = None  # 1 per token the model wrote, 0 per environment token
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,19 +98,6 @@ def _routing_replay(config: dict) -> tuple[dict, list[int]]:
     return {"enable_return_routed_experts": True}, list(range(config.get("first_k_dense_replace", 0), layers))
 
 
-def _moe_routes(routes, prompt_len: int, completion_len: int, moe_layers: list[int]) -> np.ndarray:
-    """vLLM's routed experts of one sequence as the rollout stores them: a row for every token the
-    model ran (prompt + completion - 1), a column for every MoE layer."""
-    rows = prompt_len + completion_len - 1
-    routes = np.asarray(routes)
-    if routes.ndim != 3 or routes.shape[0] < rows:
-        raise RuntimeError(f"routing replay: vLLM returned routed experts of shape {routes.shape} for a sequence of "
-                           f"{prompt_len} prompt and {completion_len} completion tokens")
-    if routes.shape[1] != len(moe_layers):  # one column per layer, dense layers included
-        routes = routes[:, moe_layers]
-    return routes[:rows].astype(np.int16)
-
-
 class VLLMEngine:
     def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, fmt: WeightFormat,
                  routing_replay: bool = False):
@@ -153,39 +143,29 @@ class VLLMEngine:
 
         return served_checkpoint(model.path, on_gpu=not current_platform.is_cpu(), dense_updates=self.format.dense)
 
-    def sample(self, prompts: list[str], n: int, seeds: list[int], max_tokens: int | None = None) -> list[PromptResult]:
-        from vllm import SamplingParams
+    def sample(self, problems: list, n: int, seeds: list[int], env=None, max_tokens: int | None = None) -> list[PromptResult]:
+        """`n` episodes of each problem (or prompt text) in environment `env` (an EnvConfig; default:
+        single turn), problem i's seeded `seeds[i]` .. + n - 1 (`request_seed`); see `generate.episodes`."""
+        from ..config.schema import EnvConfig
+        from ..data.arithmetic import Problem
+        from .episodes import run_episodes
 
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=self.config.temperature,
-                top_p=self.config.top_p,
-                max_tokens=max_tokens or self.config.max_new_tokens,
-                logprobs=0,  # the sampled token's logprob only
-                seed=seed,
-            )
-            for seed in seeds
-        ]
+        problems = [Problem(p, "") if isinstance(p, str) else p for p in problems]
+
         # Every request of a batch carries the same adapter: vLLM misapplies adapters in batches
         # that mix base and LoRA requests (DESIGN.md section 4).
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        groups = run_episodes(self, problems, n, seeds, env or EnvConfig(), max_tokens or self.config.max_new_tokens)
         return [
             PromptResult(
-                prompt_token_ids=list(out.prompt_token_ids),
+                prompt_token_ids=group[0].prompt,
                 completions=[
-                    Completion(
-                        token_ids=list(c.token_ids),
-                        logprobs=[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
-                        text=c.text,
-                        finish_reason=_FINISH.get(c.finish_reason, FinishReason.ABORT),
-                        routed_experts=None if self.moe_layers is None else _moe_routes(
-                            c.routed_experts, len(out.prompt_token_ids), len(c.token_ids), self.moe_layers),
-                    )
-                    for c in out.outputs
+                    Completion(token_ids=e.token_ids, logprobs=e.logprobs, text=e.last_turn, finish_reason=e.finish_reason,
+                               routed_experts=e.routed_experts, mask=e.mask, turns=e.turns, tool_calls=e.tool_calls,
+                               tool_errors=e.tool_errors)
+                    for e in group
                 ],
             )
-            for out in outputs
+            for group in groups
         ]
 
     def load_weights_file(self, file: Path) -> None:

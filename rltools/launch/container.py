@@ -51,7 +51,7 @@ def mounts(config: RLConfig) -> list[str]:
     where a mount already covers its path. Parents come before their children."""
     found = list(config.cluster.container.mounts)
     needed = [("run.dir", str(config.run.dir), ""), ("model.path", config.model.path, ":ro")]
-    if config.data.type != "arithmetic":
+    if config.data.type in ("jsonl", "parquet"):
         needed += [(f"data.{key}", str(PurePosixPath(getattr(config.data, key)).parent), ":ro")
                    for key in ("train_path", "eval_path")]
     for key, path, flags in needed:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..config.schema import RLConfig
 from ..errors import UserError
+from ..weight_formats import weight_format
 from .model_size import (
     DTYPE_BYTES,
     Shape,
@@ -27,7 +28,7 @@ from .model_size import (
 GIB = 2**30
 OVERHEAD = 2 * GIB  # per GPU (none counted on CPU): CUDA context (~0.5 GiB), cuBLAS/NCCL workspaces, allocator fragmentation
 MARGIN = 0.10  # refuse a submission only when an estimate exceeds the GPU by more than this fraction
-PROMPT_TOKENS = {"arithmetic": 32}  # assumed prompt length; problem files: DEFAULT_PROMPT_TOKENS
+PROMPT_TOKENS = {"arithmetic": 32, "products": 48}  # assumed prompt length; problem files: DEFAULT_PROMPT_TOKENS
 DEFAULT_PROMPT_TOKENS = 1024
 LORA_STATE_BYTES = 16  # per LoRA parameter: float32 value, gradient and AdamW's two moments
 VLLM_MAX_NUM_SEQS = (256, 1024)  # vLLM's default max_num_seqs for LLM(): 1024 on GPUs of >= 70 GiB
@@ -128,7 +129,8 @@ def trainer_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: i
               f"({prompt} prompt + {new} new) tokens, {gc} gradient checkpointing")
     # FSDP2 gathers the tensors it sends before sending any: the adapter (lora), every weight (full),
     # the adapted layers (adapted: bounded here by every weight)
-    sent = lora_params(shape, lora.target_modules, lora.rank) * 4 if config.generator.weight_sync == "lora" else weights.total
+    adapter_only = not weight_format(config).dense  # vLLM serves the adapter itself (weight_sync: lora)
+    sent = lora_params(shape, lora.target_modules, lora.rank) * 4 if adapter_only else weights.total
     export = base + state[1] + sent + overhead if t.backend == "fsdp2" and ranks > 1 else 0.0
     return Estimate("trainer rank", parts, detail, _gpu(config, "trainers"), export=export)
 
@@ -171,7 +173,7 @@ def generator_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt:
     seq_len = prompt + new
     kv = seqs * seq_len * per_token if g.kv_cache_memory_bytes is None else g.kv_cache_memory_bytes
     lora = lora_params(shape, config.lora.target_modules, config.lora.rank) * dtype / tp \
-        if g.weight_sync == "lora" else 0.0
+        if not weight_format(config).dense else 0.0  # the adapter beside the weights (weight_sync: lora)
     sampler = max_seqs * shape.vocab * 4 * 2  # float32 logits and probabilities of a full batch
     overhead = OVERHEAD + sampler if gens.gpus_per_node else sampler
     parts = [("weights", weights.total / tp), ("LoRA", lora), ("KV cache", kv), ("overhead", overhead)]

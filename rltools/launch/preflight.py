@@ -41,7 +41,7 @@ def preflight(config: RLConfig) -> list[str]:
 
 def _paths(config: RLConfig) -> list[tuple[str, str]]:
     paths = [("model.path", config.model.path)]
-    if config.data.type != "arithmetic":
+    if config.data.type in ("jsonl", "parquet"):
         paths += [("data.train_path", str(config.data.train_path)), ("data.eval_path", str(config.data.eval_path))]
     return paths
 
@@ -94,6 +94,9 @@ def check_lora_targets(config: RLConfig, model_config: dict) -> None:
 def check_routing_replay(config: RLConfig, model_config: dict) -> None:
     if not config.algorithm.routing_replay:
         return
+    if config.env.type != "single_turn":
+        raise UserError("algorithm.routing_replay replays the experts of single-turn completions; with env.type: "
+                        f"{config.env.type} set algorithm.routing_replay: false")
     if not is_moe(model_config):
         raise UserError(f"algorithm.routing_replay: {config.model.path} ({model_config.get('model_type')}) has no routed "
                         "experts to replay; set algorithm.routing_replay: false")
@@ -137,7 +140,7 @@ def check_data(config: RLConfig, skip: set[str] = frozenset()) -> None:
     launch here, with its file and line named, instead of after the job started. Files in `skip`
     (not visible from this node) are left to the job."""
     data = config.data
-    if data.type == "arithmetic":
+    if data.type not in ("jsonl", "parquet"):
         return
     from ..data.files import load_problems
     from ..reward.verifiers import INTEGER_TYPES

@@ -105,6 +105,8 @@ def step_line(done: int, total: int, m: dict | None = None, timings: bool = Fals
     line = f"step {done}/{total} [{bar}]"
     if m:
         line += f" reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} kl {m.get('kl', 0):.4f}"
+        if "tool_call_rate" in m:  # multi-turn: how often the policy calls its tools, and how often they fail
+            line += f" tools {m['tool_call_rate']:.2f} (errors {m['tool_error_rate']:.2f})"
         if timings:
             line += (f" | {m['gen_tokens_per_s']:.0f} tok/s | gen {m['generation_s']:.2f}s "
                      f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s")

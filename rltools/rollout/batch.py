@@ -9,6 +9,12 @@ Routed experts (MoE models with `algorithm.routing_replay`) are optional: for sa
 `routed_experts[routed_offsets[i]:routed_offsets[i+1]]` [positions, MoE layers, top-k] holds the
 experts the generator routed each token it ran through the model to: every prompt token and every
 completion token but the last (which was sampled, never run), so prompt + completion - 1 rows.
+
+Multi-turn episodes (`env.type: tools`) carry the episode arrays: a sample's completion is its
+model turns and the environment's answers in order, `completion_mask` marks which tokens the model
+wrote (1: trained on, with the generator's logprob) and which the environment did (0: logprob 0,
+never trained on). Turn boundaries are the mask's edges; `turns`, `tool_calls` and `tool_errors`
+count per sample.
 """
 
 import enum
@@ -37,6 +43,13 @@ class Sample:
     finish_reason: FinishReason
     text: str | None = None
     routed_experts: np.ndarray | None = None  # [prompt + completion - 1, MoE layers, top-k]
+    completion_mask: Sequence[int] | None = None  # multi-turn: 1 per model token, 0 per environment token
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+EPISODE = {"completion_mask": np.uint8, "turns": np.int16, "tool_calls": np.int16, "tool_errors": np.int16}
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +69,10 @@ class RolloutBatch:
     routed_experts: np.ndarray | None = None  # int16 [total routed positions, MoE layers, top-k]
     routed_offsets: np.ndarray | None = None  # int64 [n + 1]
     prompts_drawn: int = 0  # prompts sampled for the batch (dynamic sampling draws more than it keeps)
+    completion_mask: np.ndarray | None = None  # uint8 [total completion tokens], 1: the model wrote it
+    turns: np.ndarray | None = None  # int16 [n] model turns of each episode
+    tool_calls: np.ndarray | None = None  # int16 [n]
+    tool_errors: np.ndarray | None = None  # int16 [n] calls that failed
 
     DTYPES = {
         "prompt_ids": np.int32,
@@ -98,8 +115,27 @@ class RolloutBatch:
                 raise ValueError("RolloutBatch.routed_experts: each sample needs one row per prompt token and per "
                                  "completion token but the last")
 
+        present = [name for name in EPISODE if getattr(self, name) is not None]
+        if present and len(present) != len(EPISODE):
+            raise ValueError(f"RolloutBatch episode arrays come together: {', '.join(EPISODE)}")
+        for name, dtype in EPISODE.items() if present else ():
+            array, size = getattr(self, name), len(self.completion_ids) if name == "completion_mask" else n
+            if array.dtype != dtype or array.ndim != 1 or len(array) != size:
+                raise ValueError(f"RolloutBatch.{name}: expected a 1-d {np.dtype(dtype)} array of {size}")
+
     def __len__(self) -> int:
         return len(self.prompt_offsets) - 1
+
+    @property
+    def episodes(self) -> dict[str, np.ndarray]:
+        """The multi-turn arrays (EPISODE), or {} for single-turn rollouts."""
+        return {} if self.completion_mask is None else {name: getattr(self, name) for name in EPISODE}
+
+    def trained_mask(self, i: int) -> np.ndarray:
+        """1.0 for each completion token of sample i the model wrote (all of them in single turn)."""
+        if self.completion_mask is None:
+            return np.ones(self.completion_offsets[i + 1] - self.completion_offsets[i], dtype=np.float32)
+        return self.completion_mask[self.completion_offsets[i] : self.completion_offsets[i + 1]].astype(np.float32)
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -127,6 +163,8 @@ class RolloutBatch:
             and all(np.array_equal(a, b) for a, b in zip(self.arrays.values(), other.arrays.values()))
             and (self.routed_experts is None) == (other.routed_experts is None)
             and (self.routed_experts is None or np.array_equal(self.routed_experts, other.routed_experts))
+            and self.episodes.keys() == other.episodes.keys()
+            and all(np.array_equal(a, other.episodes[k]) for k, a in self.episodes.items())
         )
 
     @classmethod
@@ -146,6 +184,10 @@ class RolloutBatch:
         if samples and all(s.routed_experts is not None for s in samples):
             experts, offsets = flat("routed_experts", np.int16)
             routed = {"routed_experts": experts, "routed_offsets": offsets}
+        if samples and all(s.completion_mask is not None for s in samples):
+            routed["completion_mask"] = flat("completion_mask", np.uint8)[0]
+            for name in ("turns", "tool_calls", "tool_errors"):
+                routed[name] = np.array([getattr(s, name) for s in samples], dtype=EPISODE[name])
         return cls(
             prompt_ids=prompt_ids,
             prompt_offsets=prompt_offsets,
@@ -171,7 +213,7 @@ class RolloutBatch:
             raise ValueError(f"cannot concatenate rollouts of policy versions {sorted(versions)}")
         joined = {}
         names = [*cls.DTYPES, *(("routed_experts", "routed_offsets") if all(b.routed_experts is not None for b in batches)
-                                else ())]
+                                else ()), *(EPISODE if all(b.completion_mask is not None for b in batches) else ())]
         for name in names:
             if name.endswith("_offsets"):
                 starts = np.cumsum([0] + [getattr(b, name)[-1] for b in batches[:-1]])

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from ..durable import atomic_path, fsync_path
-from .batch import RolloutBatch
+from .batch import EPISODE, RolloutBatch
 
 SCHEMA_VERSION = 1
 CHECKSUM = "xxh3_64"
@@ -53,6 +53,8 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
             for name in ROUTES:
                 array = getattr(batch, name)
                 f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
+        for name, array in batch.episodes.items():  # multi-turn: the loss mask and per-episode counts
+            f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
     fsync_path(path.parent)  # make the rename itself durable
 
 
@@ -65,7 +67,8 @@ def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch
             if TEXT_BYTES in f:
                 data, offsets = _read_checked(path, f, TEXT_BYTES), _read_checked(path, f, TEXT_OFFSETS)
                 texts = tuple(data[a:b].tobytes().decode() for a, b in zip(offsets[:-1], offsets[1:]))
-            routes = {name: _read_checked(path, f, name) for name in ROUTES if ROUTES[0] in f}
+            optional = {name: _read_checked(path, f, name) for name in ROUTES if ROUTES[0] in f}
+            optional.update({name: _read_checked(path, f, name) for name in EPISODE if "completion_mask" in f})
             policy_version, sample_count = int(f.attrs["policy_version"]), int(f.attrs["sample_count"])
             seconds = float(f.attrs.get("generation_seconds", 0.0))
             drawn = int(f.attrs.get("prompts_drawn", 0))
@@ -73,7 +76,7 @@ def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch
         raise ShardError(f"{path}: not a readable rollout shard ({err}); `rltools resume` of the run deletes it and "
                          "its generator writes it again") from err
     try:
-        batch = RolloutBatch(**arrays, **routes, policy_version=policy_version, texts=texts, generation_seconds=seconds,
+        batch = RolloutBatch(**arrays, **optional, policy_version=policy_version, texts=texts, generation_seconds=seconds,
                              prompts_drawn=drawn)
     except ValueError as err:
         raise ShardError(f"{path}: inconsistent rollout shard: {err}") from err

@@ -55,7 +55,8 @@ def pack(batch: RolloutBatch, indices: np.ndarray, pad_id: int, device: torch.de
     for row, i in enumerate(indices):
         c = len(batch.completion(i))
         completion_ids[row, :c] = batch.completion(i)
-        mask[row, :c] = 0.0 if drop_truncated and batch.finish_reasons[i] == FinishReason.LENGTH else 1.0
+        # an environment's tokens (multi-turn) are never trained on; nor, with drop_truncated, a cut answer
+        mask[row, :c] = 0.0 if drop_truncated and batch.finish_reasons[i] == FinishReason.LENGTH else batch.trained_mask(i)
         old[row, :c] = batch.logprobs(i)
         if near is not None:
             near[row, :c] = proximal[batch.completion_offsets[i] : batch.completion_offsets[i + 1]]

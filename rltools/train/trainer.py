@@ -85,6 +85,11 @@ class Trainer:
             metrics["truncated_frac"] = float((batch.finish_reasons == FinishReason.LENGTH).mean())
         metrics["reward_mean"] = float(batch.rewards.mean())
         metrics["accuracy"] = float((batch.rewards > 0.5).mean())
+        if batch.episodes:  # multi-turn: how the policy uses its tools
+            calls = int(batch.tool_calls.sum())
+            metrics["tool_call_rate"] = float((batch.tool_calls > 0).mean())  # samples that called a tool
+            metrics["tool_error_rate"] = float(batch.tool_errors.sum() / calls) if calls else 0.0  # per call
+            metrics["turns_mean"] = float(batch.turns.mean())
         return metrics
 
     def _forward_backward(self, batch: RolloutBatch, local: np.ndarray, advantages: torch.Tensor) -> dict[str, float]:
@@ -126,7 +131,8 @@ class Trainer:
 
     def _mean_tokens(self, batch: RolloutBatch, samples: np.ndarray) -> float:
         """Completion tokens per sample in `samples` that enter the loss (the "token" aggregation's budget)."""
-        lengths = np.diff(batch.completion_offsets)[samples]
+        lengths = np.array([batch.trained_mask(i).sum() for i in samples]) if batch.episodes else \
+            np.diff(batch.completion_offsets)[samples]
         if self.algorithm.overlong == "mask":
             lengths = lengths * (batch.finish_reasons[samples] != FinishReason.LENGTH)
         return max(float(lengths.mean()), 1e-6) if len(samples) else 1.0

@@ -120,6 +120,41 @@ def test_routed_experts_travel_with_their_samples(store):
         store.read(4, 0)
 
 
+def episode_batch(rng, n: int, version: int = 1) -> RolloutBatch:
+    """Multi-turn samples: model tokens, an environment answer, model tokens again."""
+    samples = []
+    for i in range(n):
+        first, answer, last = (int(k) for k in rng.integers(1, 6, 3))
+        mask = [1] * first + [0] * answer + [1] * last
+        samples.append(Sample([1, 2, 3], rng.integers(0, 99, len(mask)).tolist(),
+                              [0.0 if m == 0 else -0.5 for m in mask], 1.0, i // 2, i % 2, FinishReason.STOP,
+                              completion_mask=mask, turns=2, tool_calls=1, tool_errors=i % 2))
+    return RolloutBatch.from_samples(samples, policy_version=version)
+
+
+def test_episode_masks_travel_with_their_samples(store):
+    """Multi-turn rollouts: which tokens the model wrote survives the shard, its checksums and a concat;
+    single-turn batches carry none and mark every token trained."""
+    rng = np.random.default_rng(3)
+    parts = [episode_batch(rng, n) for n in (3, 4)]
+    path = store.write(2, 0, parts[0])
+    back = store.read(2, 0)
+    assert back == parts[0] and back.completion_mask.dtype == np.uint8
+    assert list(back.tool_errors) == [0, 1, 0] and list(back.turns) == [2, 2, 2]
+    joined = RolloutBatch.concat(parts)
+    assert np.array_equal(joined.trained_mask(5), parts[1].trained_mask(2))
+    assert 0 < joined.trained_mask(0).sum() < len(joined.completion(0)), "the environment's tokens are masked"
+    single = random_batch(rng, 2, version=1)
+    assert single.episodes == {} and single.trained_mask(1).sum() == len(single.completion(1))
+    assert RolloutBatch.concat([parts[0], single]).completion_mask is None
+    with pytest.raises(ValueError, match="come together"):
+        RolloutBatch(**parts[0].arrays, policy_version=1, completion_mask=parts[0].completion_mask)
+    with h5py.File(path, "r+") as f:
+        f["completion_mask"][0] ^= 1
+    with pytest.raises(ShardError, match="dataset completion_mask fails its checksum"):
+        store.read(2, 0)
+
+
 WRITER = os.path.join(os.path.dirname(__file__), "rollout_writer.py")
 
 

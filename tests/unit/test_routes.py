@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rltools.generate.vllm_engine import _moe_routes
+from rltools.generate.episodes import _moe_routes
 
 
 def test_vllm_routes_become_one_row_per_token_run_and_one_column_per_moe_layer():
