@@ -29,11 +29,21 @@ def cli_error(capsys, *argv) -> str:
     return err
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "aime.yaml"])
-def test_shipped_configs_validate(repo, name):
-    config = load_config(repo / "configs" / name)
-    assert config.run.name
-    assert config.schedule.group_size == 8
+def test_every_shipped_config_validates_and_renders(repo, tmp_path, capsys):
+    names = sorted(path.name for path in (repo / "configs").glob("*.yaml"))
+    assert {"demo.yaml", "aime.yaml", "moe-demo.yaml", "tool-demo.yaml", "aime-tools.yaml"} <= set(names)
+    for name in names:
+        config = load_config(repo / "configs" / name)
+        assert config.run.name and config.schedule.group_size == 8
+        assert main(["submit", str(repo / "configs" / name), "--dry-run", "--set", f"run.dir={tmp_path / name}"]) == 0
+        assert capsys.readouterr().out.startswith("#!/bin/bash"), name
+
+
+def test_the_tool_configs_use_their_tools(repo):
+    demo, aime = (load_config(repo / "configs" / name) for name in ("tool-demo.yaml", "aime-tools.yaml"))
+    assert (demo.env.type, demo.env.tools, demo.data.type) == ("tools", ["calculator"], "products")
+    assert (aime.env.type, aime.env.tools, aime.reward.type) == ("tools", ["python"], "boxed_integer")
+    assert "<tool_call>" in aime.data.prompt_template and "{observation}" in aime.env.observation_template
 
 
 def test_aime_is_the_seed_scenario(repo):
