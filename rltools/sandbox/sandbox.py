@@ -80,9 +80,13 @@ def python_roots(python: str) -> tuple[str, ...]:
 def bwrap_argv(bwrap: str, python: str, limits: Limits, uid: int) -> list[str]:
     """The whole sandbox command line: namespaces, mounts, environment, then the boot interpreter."""
     argv = [bwrap, *namespace_flags(), "--die-with-parent", "--new-session", "--clearenv"]
+    # The work dir's tmpfs comes first: an interpreter installed under /tmp (a venv in a clone there)
+    # is then bound on top of it, not hidden by it.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_mb << 20), "--perms", "1777",
+             "--tmpfs", WORK_DIR]
     binds = SYSTEM_DIRS + python_roots(python)
     # A parent bwrap creates is not enterable by the sandbox's uid (/root, and even /etc, came out 0700).
-    for parent in sorted({str(parent) for path in binds for parent in Path(path).parents} - {"/"}):
+    for parent in sorted({str(parent) for path in binds for parent in Path(path).parents} - {"/", WORK_DIR}):
         argv += ["--perms", "0755", "--dir", parent]
     for path in binds:
         argv += ["--ro-bind-try", path, path]
@@ -95,9 +99,7 @@ def bwrap_argv(bwrap: str, python: str, limits: Limits, uid: int) -> list[str]:
         argv += ["--setenv", name, value]
     # /dev is a tmpfs the user owns (in its user namespace), of no set size: read-only, like /, so
     # /tmp is the one place to write (its device files, /dev/null and the like, stay writable).
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(limits.disk_mb << 20), "--perms", "1777", "--tmpfs", WORK_DIR,
-             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK_DIR]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK_DIR]
     boot_args = [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.processes), str(uid)]
     return argv + [python, "-I", "-B", "-u", "-c", BOOT, *boot_args]
 
