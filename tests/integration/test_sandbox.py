@@ -68,6 +68,14 @@ def test_runs_a_program_and_reports_how_it_ended(repo, tmp_path):
                                                  "timed_out": False, "truncated": False, "wall_s": 0}
 
 
+def test_an_interpreter_installed_under_tmp_runs_though_tmp_is_the_sandboxs_own(tmp_path):
+    """A venv in a clone under /tmp (as CI's may be): the sandbox's private /tmp must not hide it."""
+    assert str(tmp_path).startswith("/tmp/"), "pytest's tmp_path lies under /tmp here"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=60)
+    result = run_code("import sys; print(sys.prefix)", python=str(tmp_path / "venv" / "bin" / "python"))
+    assert (result.stdout, result.exit_code) == (f"{tmp_path / 'venv'}\n", 0), result
+
+
 def test_no_network():
     with socket.socket() as server:  # a server on the host's loopback: the sandbox has its own
         server.bind(("127.0.0.1", 0))
