@@ -1,15 +1,16 @@
 """Episodes: every sample as model turns and environment answers, sampled without lockstep.
 
-Each sample's turn is one vLLM request (n = 1) whose prompt is the problem's tokens followed by the
-sample's tokens so far; the engine is stepped directly, so when one sample's turn ends its
-environment call runs on a worker thread while the engine keeps generating the others (a tool call
-of one sample never holds up the batch). A single-turn environment ends every episode after its
-first turn: the same path, one turn.
+A group's first turn is one vLLM request of n samples, exactly as LLM.generate would send it; each
+later turn of a sample is a request of its own (n = 1) whose prompt is the problem's tokens followed
+by the sample's tokens so far. The engine is stepped directly, so when a turn ends at a tool call the
+environment answers on a worker thread while the engine keeps generating the others (a tool call of
+one sample never holds up the batch; a group's first turns finish together). A single-turn
+environment ends every episode after its first turn: the same path, one turn.
 
 Invariants:
-- Turn 0 of sample j uses seed `seed + j`, which is what vLLM gives sample j of an n-sample request
-  (DESIGN.md): an episode of a single-turn environment samples exactly what `n` sampling did. Later
-  turns' seeds are derived from (seed + j, turn), so a restarted generator regenerates them too.
+- Turn 0 of the group is the n-sample request LLM.generate sent before episodes existed (vLLM seeds
+  its sample j with `seed + j`): single-turn sampling is unchanged, token for token and in cost.
+  Later turns' seeds are derived from (seed + j, turn), so a restarted generator regenerates them.
 - Tokens are never re-tokenized: a turn's tokens are vLLM's; an observation is tokenized once
   (no special tokens) and appended with mask 0 and logprob 0.
 - `generator.max_new_tokens` bounds all of a sample's completion tokens (turns and observations);
@@ -61,19 +62,21 @@ def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfi
     for problem, seed in zip(problems, seeds):
         environments = [make_environment(env) for _ in range(n)]  # one per episode: it may hold state
         groups.append([Episode(e.reset(problem), seed + j, e) for j, e in enumerate(environments)])
-    running: dict[str, Episode] = {}
+    running: dict[str, list[Episode]] = {}  # request -> its episodes (a group's n at turn 0, then one)
     waiting: dict[futures.Future, Episode] = {}
     workers = futures.ThreadPoolExecutor(max_workers=max(1, min(32, n * len(problems))),
                                          thread_name_prefix="rltools-env")
     try:
-        for episode in (e for group in groups for e in group):
-            _start_turn(engine, episode, max_tokens, running)
+        for group in groups:
+            _start_turn(engine, group, max_tokens, running)
         while running or waiting:
             if running:
                 for output in llm.llm_engine.step():
-                    if output.finished:
-                        episode = running.pop(output.request_id)
-                        if _end_turn(engine, episode, output, env, max_tokens):
+                    if not output.finished:
+                        continue
+                    episodes = running.pop(output.request_id)
+                    for episode, c in zip(episodes, sorted(output.outputs, key=lambda c: c.index)):
+                        if _end_turn(engine, episode, output.prompt_token_ids, c, env, max_tokens):
                             waiting[workers.submit(episode.environment.step, episode.last_turn)] = episode
             else:
                 futures.wait(waiting, return_when=futures.FIRST_COMPLETED)
@@ -89,32 +92,34 @@ def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfi
     return groups
 
 
-def _start_turn(engine, episode: Episode, max_tokens: int, running: dict) -> None:
+def _start_turn(engine, episodes: list[Episode], max_tokens: int, running: dict) -> None:
+    """One request for the next turn of `episodes`: a whole group's first turn (n samples, as
+    LLM.generate would send it), or one episode's later turn."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    budget = max_tokens - len(episode.token_ids)
+    first = episodes[0]
+    budget = max_tokens - len(first.token_ids)
     if budget <= 0:
-        episode.finish_reason = FinishReason.LENGTH
+        first.finish_reason = FinishReason.LENGTH
         return
-    seed = episode.seed if episode.turns == 0 else (episode.seed * 1_000_003 + episode.turns) % _SEED_MOD
-    params = SamplingParams(n=1, temperature=engine.config.temperature, top_p=engine.config.top_p, max_tokens=budget,
-                            logprobs=0, seed=seed, stop=list(episode.environment.stop) or None,
+    seed = first.seed if first.turns == 0 else (first.seed * 1_000_003 + first.turns) % _SEED_MOD
+    params = SamplingParams(n=len(episodes), temperature=engine.config.temperature, top_p=engine.config.top_p,
+                            max_tokens=budget, logprobs=0, seed=seed, stop=list(first.environment.stop) or None,
                             include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)
     # Turn 0 hands vLLM the text, tokenized as LLM.generate does; later turns the exact tokens so far.
-    # LLM.generate's own way in (render, then add to the engine), without its run-to-completion loop.
-    prompt = episode.prompt if episode.turns == 0 else {"prompt_token_ids": episode.prompt + episode.token_ids}
+    prompt = first.prompt if first.turns == 0 else {"prompt_token_ids": first.prompt + first.token_ids}
     request_id = f"rltools-{next(_ids)}"
     engine.llm.llm_engine.add_request(request_id, engine.llm._preprocess_cmpl_one(prompt, None), params,
                                       lora_request=engine.lora_request)
-    running[request_id] = episode
+    running[request_id] = episodes
 
 
-def _end_turn(engine, episode: Episode, output, env: EnvConfig, max_tokens: int) -> bool:
-    """Record a finished turn; True when the environment is to answer it."""
-    c = output.outputs[0]
+def _end_turn(engine, episode: Episode, prompt_ids, c, env: EnvConfig, max_tokens: int) -> bool:
+    """Record a finished turn (`c`, one completion of the request); True when the environment is to
+    answer it."""
     if episode.turns == 0:
-        episode.prompt = list(output.prompt_token_ids)
+        episode.prompt = list(prompt_ids)
     episode.token_ids += list(c.token_ids)
     episode.logprobs += [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)]
     episode.mask += [1] * len(c.token_ids)
@@ -142,7 +147,7 @@ def _answer(engine, episode: Episode, reply, max_tokens: int, tokenizer, running
     if len(tokens) >= room:  # no room left for the model to answer
         episode.finish_reason = FinishReason.LENGTH
         return
-    _start_turn(engine, episode, max_tokens, running)
+    _start_turn(engine, [episode], max_tokens, running)
 
 
 def _moe_routes(routes, prompt_len: int, completion_len: int, moe_layers: list[int]) -> np.ndarray:
