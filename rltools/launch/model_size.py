@@ -202,7 +202,7 @@ def weights_from_headers(path: Path, shape: Shape, model_config: dict, dtype_byt
     params = 0
     try:
         for file in files:
-            for name, entry in _header(file).items():
+            for name, entry in safetensors_header(file).items():
                 layer = LAYER.match(name)
                 if layer and int(layer.group(1)) >= shape.layers:  # multi-token-prediction layers: not loaded
                     continue
@@ -228,7 +228,8 @@ def weights_from_headers(path: Path, shape: Shape, model_config: dict, dtype_byt
     return Weights(total, experts, max(per_layer.values()), outside, params, "safetensors headers")
 
 
-def _header(file: Path) -> dict:
+def safetensors_header(file: Path) -> dict:
+    """A safetensors file's tensor entries (name -> dtype, shape, offsets), read from its header alone."""
     with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))

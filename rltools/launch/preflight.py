@@ -7,13 +7,13 @@ data files the roles will read (problems, keys, answers, templates).
 """
 
 import json
-import struct
 from pathlib import Path
 
 from ..config.schema import RLConfig
 from ..errors import UserError
 from ..weight_formats import weight_format
 from .memory import check_memory
+from .model_size import safetensors_header
 
 WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
@@ -23,13 +23,10 @@ def preflight(config: RLConfig) -> list[str]:
     """Check what can be checked from here; returns notes on what could not. Under Slurm a path this
     node does not see (node-local scratch, a filesystem mounted on compute nodes only) is noted, not
     refused: the job's nodes may see it. A path that is here and wrong is always refused."""
-    notes = []
-    hidden = [(key, path) for key, path in _paths(config) if not Path(path).exists()]
-    if config.cluster.launcher == "slurm":
-        notes = [f"{key} {path} is not visible from this node: not checked here (the job's nodes must see it)"
-                 for key, path in hidden]
-    else:
-        hidden = []
+    hidden = [(key, path) for key, path in _paths(config) if not Path(path).exists()] \
+        if config.cluster.launcher == "slurm" else []  # the local launcher runs here: a missing path is an error
+    notes = [f"{key} {path} is not visible from this node: not checked here (the job's nodes must see it)"
+             for key, path in hidden]
     if ("model.path", config.model.path) not in hidden:
         model_config = check_model_dir(Path(config.model.path))
         check_lora_targets(config, model_config)
@@ -120,19 +117,11 @@ def weight_modules(path: Path) -> set[str]:
     alone (a few KB each): no tensor is loaded."""
     modules = set()
     for file in sorted(path.glob("*.safetensors")):
-        for name, entry in _safetensors_header(file).items():
+        for name, entry in safetensors_header(file).items():
             stem, _, leaf = name.rpartition(".")
             if stem and leaf in ("weight", "weight_packed") and len(entry.get("shape", ())) == 2:
                 modules.add(stem.rpartition(".")[2])
     return modules
-
-
-def _safetensors_header(file: Path) -> dict:
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header
 
 
 def check_data(config: RLConfig, skip: set[str] = frozenset()) -> None:
