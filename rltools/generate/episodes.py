@@ -29,7 +29,8 @@ from ..config.schema import EnvConfig
 from ..envs import Environment, make_environment
 from ..rollout import FinishReason
 
-_SEED_MOD = 2**31 - 1
+SEED_MOD = 2**31 - 1  # vLLM takes 31-bit seeds (request_seed in vllm_engine reduces by it too)
+TOOL_GRACE_S = 60  # beyond env.tool_timeout_s before a tool that does not return stops the generator
 _ids = itertools.count()
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -78,8 +79,13 @@ def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfi
                     for episode, c in zip(episodes, sorted(output.outputs, key=lambda c: c.index)):
                         if _end_turn(engine, episode, output.prompt_token_ids, c, env, max_tokens):
                             waiting[workers.submit(episode.environment.step, episode.last_turn)] = episode
-            else:
-                futures.wait(waiting, return_when=futures.FIRST_COMPLETED)
+            else:  # nothing to generate until a tool answers; every tool has its own deadline
+                done, _ = futures.wait(waiting, timeout=env.tool_timeout_s + TOOL_GRACE_S,
+                                       return_when=futures.FIRST_COMPLETED)
+                if not done:
+                    raise RuntimeError(f"{len(waiting)} tool call(s) of env.tools {env.tools} did not return within "
+                                       f"env.tool_timeout_s {env.tool_timeout_s:g} s + {TOOL_GRACE_S} s: a tool "
+                                       "ignores its deadline (see the generator log); fix the tool")
             for done in [f for f in waiting if f.done()]:
                 episode = waiting.pop(done)
                 _answer(engine, episode, done.result(), max_tokens, tokenizer, running)
@@ -103,7 +109,7 @@ def _start_turn(engine, episodes: list[Episode], max_tokens: int, running: dict)
     if budget <= 0:
         first.finish_reason = FinishReason.LENGTH
         return
-    seed = first.seed if first.turns == 0 else (first.seed * 1_000_003 + first.turns) % _SEED_MOD
+    seed = first.seed if first.turns == 0 else (first.seed * 1_000_003 + first.turns) % SEED_MOD
     params = SamplingParams(n=len(episodes), temperature=engine.config.temperature, top_p=engine.config.top_p,
                             max_tokens=budget, logprobs=0, seed=seed, stop=list(first.environment.stop) or None,
                             include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)

@@ -30,10 +30,10 @@ from ..config.schema import GeneratorConfig, ModelConfig
 from ..paths import RunPaths
 from ..rollout import FinishReason
 from ..weight_formats import WeightFormat
+from .episodes import SEED_MOD, run_episodes
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read once, when vllm is first imported (below)
 
-_SEED_MOD = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class PromptResult:
 def request_seed(run_seed: int, step: int, index: int, n: int) -> int:
     """Deterministic seed of request `index` (of `n` samples) of `step`; vLLM seeds its samples
     seed .. seed + n - 1, so requests are spaced n apart. `step` -1 and below are for evaluation."""
-    return ((run_seed * 1_000_003 + (step + 10) * 65_537) * n + index * n) % _SEED_MOD
+    return ((run_seed * 1_000_003 + (step + 10) * 65_537) * n + index * n) % SEED_MOD
 
 
 def _cpu_mla_rotary(config: dict) -> dict:
@@ -163,10 +163,8 @@ class VLLMEngine:
         single turn), problem i's seeded `seeds[i]` .. + n - 1 (`request_seed`); see `generate.episodes`."""
         from ..config.schema import EnvConfig
         from ..data.arithmetic import Problem
-        from .episodes import run_episodes
 
         problems = [Problem(p, "") if isinstance(p, str) else p for p in problems]
-
         # Every request of a batch carries the same adapter: vLLM misapplies adapters in batches
         # that mix base and LoRA requests (DESIGN.md section 4).
         groups = run_episodes(self, problems, n, seeds, env or EnvConfig(), max_tokens or self.config.max_new_tokens)

@@ -123,3 +123,23 @@ def test_the_tool_demo_learns_to_call_the_calculator_and_resumes(repo, tmp_path)
     before, after = (json.loads((run_dir / "eval" / f"step_{s}.json").read_text()) for s in (0, 24))
     assert after["avg_at_k"] > before["avg_at_k"] + 0.2, (before["avg_at_k"], after["avg_at_k"])
     assert after["tool_call_rate"] > 0.8 and after["tool_error_rate"] < 0.05
+
+
+def test_a_tool_that_ignores_its_deadline_stops_sampling_with_the_keys_named(engine, monkeypatch):
+    import rltools.generate.episodes as episodes
+    from rltools.envs import Reply, make_environment
+
+    config, vllm = engine
+
+    def stuck(env_config):
+        environment = make_environment(env_config)
+        environment.step = lambda turn: time.sleep(3) or Reply(None)
+        return environment
+
+    monkeypatch.setattr(episodes, "make_environment", stuck)
+    monkeypatch.setattr(episodes, "TOOL_GRACE_S", 0.2)
+    env = config.env.model_copy(update={"tool_timeout_s": 0.1})
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"did not return within env.tool_timeout_s 0.1 s \+ 0.2 s"):
+        vllm.sample(arithmetic.problems(0, "eval", 16, "products"), n=8, seeds=[8 * i for i in range(16)], env=env)
+    assert time.perf_counter() - start < 30
