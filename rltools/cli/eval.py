@@ -74,7 +74,8 @@ def _eval_on_slurm(config, paths, args) -> dict:
 def _output_to_log():
     """File descriptors 1 and 2 into a log file for the duration; on an error its tail is printed."""
     log = tempfile.NamedTemporaryFile("w+b", prefix="rltools-eval-", suffix=".log", delete=False)
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     try:
         for fd in saved:
@@ -82,7 +83,8 @@ def _output_to_log():
         try:
             yield
         finally:
-            sys.stdout.flush(), sys.stderr.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
             for fd, copy in saved.items():
                 os.dup2(copy, fd)
     except BaseException:

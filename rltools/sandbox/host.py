@@ -4,6 +4,7 @@ Checked once per process by starting the smallest sandbox there is; a failure is
 that names the package to install or the sysctl to change, with bwrap's own words.
 """
 
+import contextlib
 import functools
 import os
 import shutil
@@ -47,10 +48,8 @@ def read_sysctls() -> dict[str, str]:
     """The user-namespace sysctls this kernel has, by name."""
     values = {}
     for name, (path, _, _) in USERNS_SYSCTLS.items():
-        try:
+        with contextlib.suppress(OSError):  # a kernel without this knob (the AppArmor one is Ubuntu's)
             values[name] = Path(path).read_text().strip()
-        except OSError:
-            pass  # the kernel does not have this knob
     return values
 
 

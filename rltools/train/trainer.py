@@ -131,8 +131,7 @@ class Trainer:
 
     def _mean_tokens(self, batch: RolloutBatch, samples: np.ndarray) -> float:
         """Completion tokens per sample in `samples` that enter the loss (the "token" aggregation's budget)."""
-        lengths = np.array([batch.trained_mask(i).sum() for i in samples]) if batch.episodes else \
-            np.diff(batch.completion_offsets)[samples]
+        lengths = np.array([batch.trained_mask(i).sum() for i in samples])  # an environment's tokens excepted
         if self.algorithm.overlong == "mask":
             lengths = lengths * (batch.finish_reasons[samples] != FinishReason.LENGTH)
         return max(float(lengths.mean()), 1e-6) if len(samples) else 1.0
