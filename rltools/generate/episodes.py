@@ -79,11 +79,12 @@ def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfi
                     for episode, c in zip(episodes, sorted(output.outputs, key=lambda c: c.index)):
                         if _end_turn(engine, episode, output.prompt_token_ids, c, env, max_tokens):
                             waiting[workers.submit(episode.environment.step, episode.last_turn)] = episode
-            else:  # nothing to generate until a tool answers; every tool has its own deadline
+            else:  # nothing to generate until a tool answers. Calls queued behind others finish one by
+                # one, each within its deadline: no progress for a whole deadline means a tool ignores it
                 done, _ = futures.wait(waiting, timeout=env.tool_timeout_s + TOOL_GRACE_S,
                                        return_when=futures.FIRST_COMPLETED)
                 if not done:
-                    raise RuntimeError(f"{len(waiting)} tool call(s) of env.tools {env.tools} did not return within "
+                    raise RuntimeError(f"none of {len(waiting)} tool call(s) of env.tools {env.tools} returned within "
                                        f"env.tool_timeout_s {env.tool_timeout_s:g} s + {TOOL_GRACE_S} s: a tool "
                                        "ignores its deadline (see the generator log); fix the tool")
             for done in [f for f in waiting if f.done()]:
