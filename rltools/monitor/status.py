@@ -97,7 +97,7 @@ def run_status(paths: RunPaths) -> RunStatus:
         step=metrics[-1]["step"] + 1 if metrics else 0,
         total_steps=config.schedule.steps,
         last_metrics=metrics[-1] if metrics else None,
-        eta_s=eta([(m["step"], m.get("time")) for m in metrics[-20:]], config.schedule.steps) if metrics else None,
+        eta_s=eta([(m["step"], m.get("time")) for m in metrics[-20:]], config.schedule.steps),
         eval_k=config.eval.k,
         evals={step: result["avg_at_k"] for step, result in read_evals(paths).items()},
         checkpoint=paths.latest_checkpoint(),
