@@ -12,11 +12,12 @@ A format owns every side of one kind of policy update:
 Invariant: call sites ask the format; nobody compares `generator.weight_sync` or a message's kind
 with a string. The PEFT adapter files (weights and adapter_config.json) are written in one place,
 `write_adapter`, by one process, for the generators and for policy exports alike. A format is plain
-data (picklable): vLLM hands it to its workers.
+data: it crosses to vLLM's workers as `to_plain()`.
 """
 
 import abc
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,14 @@ class WeightFormat(abc.ABC):
         """Extra vLLM engine arguments."""
         return {}
 
+    def to_plain(self) -> dict:
+        """This format as plain data (names, numbers, lists): what `format_from_plain` rebuilds."""
+        return {"name": self.name, "base_model": self.base_model, "lora": self.lora.model_dump(mode="json")}
+
     @abc.abstractmethod
-    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
-        """Inside each vLLM worker: take a received message (every worker receives all of it)."""
+    def apply(self, worker, tensors: Iterable, adapter_dir: Path) -> None:
+        """Inside each vLLM worker, before it acknowledges: take a received message, an iterator of
+        (name, tensor) read off the wire as it is consumed (every worker receives all of it)."""
 
     def serve(self, engine, adapter_dir: Path, version: int) -> None:
         """In the generator process, once every worker applied version `version`."""
@@ -89,7 +95,7 @@ class FullWeights(WeightFormat):
     def export(self, backend) -> Iterable:
         return backend.export_weights(self.lora.alpha / self.lora.rank if self.lora.enabled else None)
 
-    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
+    def apply(self, worker, tensors: Iterable, adapter_dir: Path) -> None:
         worker.rltools_reload(tensors)  # generate.worker_ext
 
     def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
@@ -112,21 +118,24 @@ class LoraAdapter(WeightFormat):
         fits = [rank for rank in VLLM_LORA_RANKS if rank >= self.lora.rank] or [self.lora.rank]
         return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
-    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
-        if worker.rank == 0:  # one writer; the engine reads the adapter once all workers returned
-            write_adapter(adapter_dir, dict(tensors), self.lora, self.base_model)
+    def apply(self, worker, tensors: Iterable, adapter_dir: Path) -> None:
+        # One writer for every engine and TP worker (they share the filesystem), done before it
+        # acknowledges: the others serve the adapter only once every worker acknowledged, and a failed
+        # write fails the sync, naming the path.
+        if worker.rltools_writes_files:
+            publish_adapter(adapter_dir, dict(tensors), self.lora, self.base_model)
 
     def serve(self, engine, adapter_dir: Path, version: int) -> None:
-        previous = engine.lora_request
-        engine.lora_request = _lora_request(f"policy-v{version}", version, adapter_dir)  # a new id: vLLM reloads
-        if previous is not None:
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        previous = engine.adapter
+        engine.serve_adapter(f"policy-v{version}", version, adapter_dir)  # a new id: vLLM loads it anew
+        if previous is not None and previous != adapter_dir and engine.writes_files:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
         return _InMemoryWriter(lambda tensors: write_adapter(directory, tensors, self.lora, self.base_model))
 
     def serve_export(self, engine, export: Path, step: int) -> None:
-        engine.lora_request = _lora_request(f"eval-step-{step}", 1, export)
+        engine.serve_adapter(f"eval-step-{step}", 1, export)
 
 
 class AdaptedLayers(WeightFormat):
@@ -148,7 +157,7 @@ class AdaptedLayers(WeightFormat):
     def export(self, backend) -> Iterable:
         return backend.export_weights(self.lora.alpha / self.lora.rank, self.modules())
 
-    def apply(self, worker, tensors: list, adapter_dir: Path) -> None:
+    def apply(self, worker, tensors: Iterable, adapter_dir: Path) -> None:
         worker.rltools_reload(tensors)  # generate.worker_ext
 
     def export_writer(self, directory: Path, shard_bytes: int) -> ExportWriter:
@@ -170,6 +179,11 @@ def format_named(name: str, base_model: str, lora: LoraConfig) -> WeightFormat:
     return FORMATS[name](base_model, lora)
 
 
+def format_from_plain(plain: dict) -> WeightFormat:
+    """The format `WeightFormat.to_plain` described (what crosses vLLM's engine-core boundary)."""
+    return format_named(plain["name"], plain["base_model"], LoraConfig(**plain["lora"]))
+
+
 def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
     """adapter_config.json of an adapter trained with `lora` (what vLLM and peft read)."""
     return {
@@ -177,6 +191,25 @@ def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
         "target_modules": list(lora.target_modules), "bias": "none", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
     }
+
+
+def publish_adapter(directory: Path, tensors: dict, lora: LoraConfig, base_model: str) -> None:
+    """`write_adapter` under a temporary name, then renamed whole onto `directory`: an engine that
+    loads it lazily sees the complete adapter or none. An OSError names the path."""
+    from .durable import fsync_path, naming, publish_dir
+
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+    with naming(directory):
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            write_adapter(tmp, tensors, lora, base_model)
+            for file in tmp.iterdir():
+                fsync_path(file)
+            publish_dir(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def write_adapter(directory: Path, tensors: dict, lora: LoraConfig, base_model: str) -> None:
@@ -191,12 +224,6 @@ def save_tensors(file: Path, tensors: dict) -> None:
     from safetensors.torch import save_file
 
     save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(file))
-
-
-def _lora_request(name: str, lora_id: int, path: Path):
-    from vllm.lora.request import LoRARequest
-
-    return LoRARequest(name, lora_id, str(path))
 
 
 class _ModelWriter(ExportWriter):

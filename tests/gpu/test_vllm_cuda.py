@@ -101,9 +101,8 @@ def trainer_rank0(paths, weights: list, kind: str, outcome: dict) -> None:
 def sampled(engine):
     """Four samples of each prompt as the generator stores them (processed logprobs, temperature 1)."""
     from rltools.generate.vllm_engine import request_seed
-    from rltools.rollout import RolloutBatch, Sample
+    from rltools.rollout import RolloutBatch
 
-    results = engine.sample(PROMPTS, n=4, seeds=[request_seed(0, 0, i, 4) for i in range(len(PROMPTS))])
-    samples = [Sample(r.prompt_token_ids, c.token_ids, c.logprobs, 0.0, g, j, c.finish_reason, c.text)
-               for g, r in enumerate(results) for j, c in enumerate(r.completions)]
+    groups = engine.sample(PROMPTS, n=4, seeds=[request_seed(0, 0, i, 4) for i in range(len(PROMPTS))])
+    samples = [e.sample(0.0, g, j) for g, group in enumerate(groups) for j, e in enumerate(group)]
     return RolloutBatch.from_samples(samples, policy_version=0)

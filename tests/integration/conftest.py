@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-# vLLM on CPU: a one-process engine starts in ~2.5 s (vs ~15 s) and no g++ compile on first use.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM runs as users get it, with its engine-core process (~15 s start-up on CPU instead of ~2.5 s);
+# a test that needs the one-process engine sets VLLM_ENABLE_V1_MULTIPROCESSING=0 itself and says why.
+# No g++ compile on the first logprobs request:
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"

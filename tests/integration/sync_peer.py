@@ -136,7 +136,7 @@ def host(group, scenario: str, device: str, out: dict) -> None:
 def join(group, scenario: str, rank: int, out: dict) -> None:
     receiver = WeightReceiver(group)
     if scenario == "die-after-header" and rank == 2:
-        receiver._receive_pieces = lambda *args: os._exit(17)  # header and metadata in, no piece yet
+        receiver._pieces = lambda *args: os._exit(17)  # header and metadata in, no piece yet
     expected = {"roundtrip": 4, "stale": 3, "consumer-fails": 2}.get(scenario, 1)
     for _ in range(expected):
         seen: list = []

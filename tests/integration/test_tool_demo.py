@@ -21,7 +21,6 @@ TOOL_DEMO = "configs/tool-demo.yaml"
 def engine(repo, tmp_path_factory):
     import os
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     from rltools.generate.vllm_engine import VLLMEngine
     from rltools.weight_formats import weight_format
@@ -37,11 +36,11 @@ def sample(engine, problems, n=8):
 
 def test_tool_calls_are_answered_and_masked_token_for_token(engine):
     config, vllm = engine
-    tokenizer = vllm.llm.get_tokenizer()
+    tokenizer = vllm.tokenizer
     problems = arithmetic.problems(0, "eval", 12, "products")
     results = sample(engine, problems)
-    called = [(p, c) for p, r in zip(problems, results) for c in r.completions if c.tool_calls]
-    direct = [c for r in results for c in r.completions if not c.tool_calls]
+    called = [(p, c) for p, r in zip(problems, results) for c in r if c.tool_calls]
+    direct = [c for r in results for c in r if not c.tool_calls]
     assert called and direct, "the pretrained model calls the tool on some samples, not all"
     for problem, c in called:
         text = tokenizer.decode(c.token_ids)
@@ -51,7 +50,7 @@ def test_tool_calls_are_answered_and_masked_token_for_token(engine):
         assert tokenizer.decode(answered) == f"<result>{problem.answer}</result>"
         assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.mask) if m == 0)
         assert c.mask.index(0) == len(tokenizer.encode(f"<calc>{expression}</calc>", add_special_tokens=False))
-        assert c.turns == 2 and c.text == tokenizer.decode(c.token_ids[len(c.mask) - c.mask[::-1].index(0):],
+        assert c.turns == 2 and c.last_turn == tokenizer.decode(c.token_ids[len(c.mask) - c.mask[::-1].index(0):],
                                                               skip_special_tokens=True)
     assert all(set(c.mask) == {1} and c.turns == 1 for c in direct)
 
@@ -59,7 +58,7 @@ def test_tool_calls_are_answered_and_masked_token_for_token(engine):
 def test_episodes_are_reproducible(engine):
     problems = arithmetic.problems(0, "eval", 6, "products")
     first, second = sample(engine, problems), sample(engine, problems)
-    assert [[c.token_ids for c in r.completions] for r in first] == [[c.token_ids for c in r.completions] for r in second]
+    assert [[c.token_ids for c in r] for r in first] == [[c.token_ids for c in r] for r in second]
 
 
 def test_a_slow_tool_does_not_hold_up_the_other_samples(engine, monkeypatch):
@@ -92,7 +91,7 @@ def test_a_slow_tool_does_not_hold_up_the_other_samples(engine, monkeypatch):
     start = time.perf_counter()
     results = sample(engine, arithmetic.problems(0, "eval", 16, "products"))
     wall = time.perf_counter() - start
-    tool_calls = sum(c.tool_calls for r in results for c in r.completions)
+    tool_calls = sum(c.tool_calls for r in results for c in r)
     assert tool_calls == len(calls) >= 4
     assert most[0] >= 2 and wall < 0.3 * tool_calls, f"{tool_calls} calls of 0.3 s took {wall:.1f} s in all"
 

@@ -41,12 +41,8 @@ def vllm_samples(tiny_model, prompts, n=4, model_cfg: ModelConfig | None = None,
         seed=0,
         fmt=FullWeights(str(tiny_model), LoraConfig(rank=4, alpha=8)),
     )
-    results = engine.sample(prompts, n=n, seeds=list(range(len(prompts))))
-    samples = [
-        Sample(r.prompt_token_ids, c.token_ids, c.logprobs, 0.0, g, j, c.finish_reason, c.text)
-        for g, r in enumerate(results)
-        for j, c in enumerate(r.completions)
-    ]
+    groups = engine.sample(prompts, n=n, seeds=list(range(len(prompts))))
+    samples = [e.sample(0.0, g, j) for g, group in enumerate(groups) for j, e in enumerate(group)]
     return RolloutBatch.from_samples(samples, policy_version=0)
 
 

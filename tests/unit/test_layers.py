@@ -138,3 +138,32 @@ def test_the_login_side_imports_no_torch_or_vllm():
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+VLLM_SEAM = {"rltools.generate.vllm_engine", "rltools.generate.worker_ext"}
+
+
+def vllm_importers(root: Path) -> set[str]:
+    """The modules under `root`/rltools that import vLLM (at any depth of their code)."""
+    found = set()
+    for path in (root / "rltools").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(name == "vllm" or name.startswith("vllm.") for name in names):
+                found.add(".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"))
+    return found
+
+
+def test_only_the_vllm_seam_imports_vllm():
+    """Every private vLLM call is listed in generate/vllm_engine.py with the release it was checked
+    against; an import of vLLM elsewhere would bypass that list."""
+    assert vllm_importers(ROOT) <= VLLM_SEAM, sorted(vllm_importers(ROOT) - VLLM_SEAM)
+
+
+def test_the_seam_check_sees_a_stray_vllm_import(tmp_path):
+    stray = tmp_path / "rltools" / "eval"
+    stray.mkdir(parents=True)
+    (stray / "score.py").write_text("def f():\n    from vllm.lora.request import LoRARequest\n")
+    (stray / "fine.py").write_text("from .vllm_helpers import x\nimport vllmish\n")
+    assert vllm_importers(tmp_path) == {"rltools.eval.score"}

