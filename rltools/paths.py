@@ -151,6 +151,11 @@ class RunPaths:
         """The LoRA adapter of a policy version, in PEFT layout, as the generator serves it."""
         return self.weights / f"adapter_v{version}"
 
+    def probe_file(self, version: int) -> Path:
+        """The trainer's log-probabilities of the probe sequence under policy version `version`,
+        written before that version is broadcast; each generator compares its own after loading it."""
+        return self.weights / f"probe_v{version}.json"
+
     def policy_dir(self, step: int) -> Path:
         """The policy after `step` optimizer steps, exported for evaluation (rltools.policy_exports)."""
         return self.weights / f"step_{step}"

@@ -22,6 +22,7 @@ from ..paths import RunPaths
 from ..rollout import FinishReason, RolloutBatch, RolloutStore, Sample
 from ..runtime import faults
 from ..runtime.preempt import generator_signals
+from ..runtime.probe import probe_gap, read_probe
 from ..runtime.role_env import RoleEnv
 from ..runtime.roles import (
     eval_due,
@@ -61,7 +62,9 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     start = paths.latest_checkpoint()
     if start:
         version, seconds = engine.receive_weights(paths, start)  # the checkpoint's policy, before any sampling
-        log.info("resumed at step %d: policy version %d loaded in %.3f s", start, version, seconds)
+        gap = probe(engine, paths, version)
+        log.info("resumed at step %d: policy version %d loaded in %.3f s, logprob gap to the trainer %.2e", start,
+                 version, seconds, gap)
     else:
         version = 0
         if env.rank == 0:
@@ -133,10 +136,20 @@ def replace_uniform_groups(engine: VLLMEngine, task, config, step: int, share: l
 
 def receive(engine: VLLMEngine, task, config, paths: RunPaths, env: RoleEnv, version: int) -> int:
     new_version, seconds = engine.receive_weights(paths, version + 1)
-    log.info("policy version %d loaded in %.3f s", new_version, seconds)
+    gap = probe(engine, paths, new_version)
+    log.info("policy version %d loaded in %.3f s, logprob gap to the trainer %.2e", new_version, seconds, gap)
     if env.rank == 0 and eval_due(config, new_version):
         record_eval(paths, evaluate(engine, task, config), new_version)
     return new_version
+
+
+def probe(engine: VLLMEngine, paths: RunPaths, version: int) -> float:
+    """Score the trainer's probe of `version` with the weights just loaded and report the mean gap to
+    trainer rank 0, which judges it (`runtime.probe`); returns it."""
+    tokens, trainer = read_probe(paths, version)
+    gap, _ = probe_gap(trainer, engine.probe_logprobs(tokens))
+    engine.report_gap(gap, version)
+    return gap
 
 
 def evaluate(engine: VLLMEngine, task, config, k: int | None = None, count: int | None = None) -> dict:

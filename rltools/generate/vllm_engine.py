@@ -280,6 +280,12 @@ class VLLMEngine:
         return version, time.perf_counter() - start
 
 
+    def report_gap(self, gap: float, version: int) -> None:
+        """Every worker tells trainer rank 0 the logprob gap measured under `version` (a collective of
+        the weight-sync group, right after `receive_weights`)."""
+        self.llm.collective_rpc("rltools_report_gap", args=(float(gap), version))
+
+
 def reload_weights(worker, tensors) -> None:
     """vLLM's layer-wise in-place reload of checkpoint-named `tensors` (an iterable, consumed as it is
     read) inside worker `worker`, with the worker's config current as vLLM's loaders expect."""

@@ -55,6 +55,10 @@ class WeightSyncExtension:
             fmt.apply(self, ((name, tensor.clone()) for name, tensor in message.tensors()), Path(adapter_dir))
         return [message.version, message.kind]
 
+    def rltools_report_gap(self, gap: float, version: int) -> None:
+        """Tell trainer rank 0 the engine's logprob gap to it under `version` (`runtime.probe`)."""
+        self._rltools_receiver.report_gap(gap, version)
+
     def rltools_reload(self, tensors) -> None:
         """Load checkpoint-named tensors (an iterable of (name, tensor), consumed as it is read) into
         the served layers in place (every weight: `full`; the adapted layers: `adapted`), then re-pack

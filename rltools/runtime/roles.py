@@ -23,6 +23,22 @@ def sync_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def gpu_index(local_rank: int, device_count: int, visible: str | None) -> int:
+    """The CUDA device (an index among those this task sees) of the trainer with node-local rank
+    `local_rank`. Two layouts work: Slurm binds one GPU to each task (`--gpus-per-task`, or
+    CUDA_VISIBLE_DEVICES of one: device 0), or every task sees the node's GPUs (device `local_rank`).
+    `visible`: CUDA_VISIBLE_DEVICES as the task got it, named in the error."""
+    if device_count == 1:
+        return 0
+    if 0 <= local_rank < device_count:
+        return local_rank
+    raise RuntimeError(
+        f"trainer with node-local rank {local_rank} sees {device_count} GPU(s) (CUDA_VISIBLE_DEVICES="
+        f"{visible if visible is not None else 'unset'}): each trainer task needs a GPU of its own. Give the "
+        "trainers as many GPUs per node as tasks (cluster.trainers.gpus_per_node >= ntasks_per_node), or bind "
+        "one GPU per task")
+
+
 def prompt_share(config: RLConfig, generator_rank: int) -> range:
     """Indices of the step's prompts that `generator_rank` generates."""
     return range(generator_rank, config.schedule.prompts_per_step, config.cluster.generators.ntasks)

@@ -7,6 +7,7 @@ first instant of the process on, ends the run at a checkpoint of the steps done.
 """
 
 import logging
+import os
 import socket
 import time
 from datetime import timedelta
@@ -23,7 +24,7 @@ from ..runtime import faults
 from ..runtime.address import publish_address, wait_for_address
 from ..runtime.preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..runtime.role_env import RoleEnv
-from ..runtime.roles import eval_due
+from ..runtime.roles import eval_due, gpu_index
 from ..weight_sync import bound_store
 from . import checkpoints
 from .backend import Backend
@@ -41,9 +42,9 @@ def run_trainer(run_dir: str) -> int:
     config = load_config(paths.config)
     stop = StopFlag(config.cluster.preempt_signal)  # keeps a signal that arrived while the process started
     torch.manual_seed(config.run.seed)
-    device = torch.device(f"cuda:{env.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = trainer_device(env.local_rank)
     try:
-        init_trainer_group(env, paths, timeout_s=config.trainer.sync_timeout_s)
+        init_trainer_group(env, paths, timeout_s=config.trainer.sync_timeout_s, device=device)
         backend = build_backend(config, env, device, _pad_id(config.model.path))  # trainer.backend: fsdp2 | megatron
         store = RolloutStore(paths, paths.read_run_id(), keep_steps=config.schedule.keep_rollout_steps)
         return train(env, paths, config, backend, store, stop)
@@ -75,7 +76,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
             metrics = backend.trainer.step(batch)
             trained = time.perf_counter() - begin - waited
             export = eval_due(config, step + 1)  # the evaluated policies stay loadable by `rltools eval`
-            sync_wait = publisher.send(step + 1, export_to=paths.policy_dir(step + 1) if export else None)
+            sync_wait, gap = publisher.send(step + 1, export_to=paths.policy_dir(step + 1) if export else None)
             # At eval steps the sync includes writing the export; sync_wait_s is the part the generators
             # kept it waiting (rank 0 evaluates the previous version before it takes this one).
             synced = time.perf_counter() - begin - waited - trained - sync_wait
@@ -86,6 +87,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                 tokens = int(batch.completion_offsets[-1])
                 append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
                                        "prompts_drawn": batch.prompts_drawn,
+                                       **({"logprob_gap": gap} if gap is not None else {}),
                                        "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
                                        "generation_s": batch.generation_seconds, "wait_s": waited,
                                        "training_s": trained, "sync_s": synced, "sync_wait_s": sync_wait,
@@ -182,8 +184,19 @@ def stop_at_checkpoint(env, paths: RunPaths, config, backend: Backend, done: int
     return EXIT_STOPPED
 
 
-def init_trainer_group(env: RoleEnv, paths: RunPaths, timeout_s: float) -> None:
-    """The trainers' own process group (FSDP2), separate from the weight-sync group."""
+def trainer_device(local_rank: int) -> torch.device:
+    """This trainer's device, made current (FSDP2 places parameters on the current CUDA device, and
+    the weight-sync group of trainer rank 0 uses it): see `runtime.roles.gpu_index` for the layouts."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", gpu_index(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_trainer_group(env: RoleEnv, paths: RunPaths, timeout_s: float, device: torch.device) -> None:
+    """The trainers' own process group (FSDP2), separate from the weight-sync group; on GPUs bound to
+    this rank's device (`device_id`: NCCL's communicator is created for it, not guessed)."""
     if env.world_size == 1:
         return
     # CPU tensors travel too (the stop agreement, metrics averages): gloo beside NCCL on GPUs
@@ -196,7 +209,8 @@ def init_trainer_group(env: RoleEnv, paths: RunPaths, timeout_s: float) -> None:
     else:
         host, port = wait_for_address(paths.trainer_address, env.attempt, timeout_s, "trainer rank 0")
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
 
 
 def _pad_id(model_path: str) -> int:

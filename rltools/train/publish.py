@@ -14,6 +14,7 @@ from ..paths import RunPaths
 from ..policy_exports import PolicyWriter
 from ..runtime import faults
 from ..runtime.preempt import StopFlag
+from ..runtime.probe import check_gap, probe_tokens, write_probe
 from ..runtime.role_env import RoleEnv
 from ..runtime.roles import sync_backend, sync_world_size
 from ..weight_formats import weight_format
@@ -27,16 +28,24 @@ class Publisher:
     def __init__(self, env: RoleEnv, paths: RunPaths, config, backend: Backend, stop: StopFlag):
         self.env, self.config, self.backend, self.stop = env, config, backend, stop
         self.format = weight_format(config)
+        self.paths = paths
+        self.probe = probe_tokens(_tokenizer(config.model.path))
+        self.tp = config.generator.tensor_parallel_size
         # Generators join only now (after the resume): they never see shards or checkpoints in flux.
         self.sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
 
-    def send(self, version: int, export_to: Path | None = None) -> float:
+    def send(self, version: int, export_to: Path | None = None) -> tuple[float, float | None]:
         """Broadcast `version`'s weights (collective over the trainer ranks); with `export_to`, rank 0
         also writes them there as a policy export while they pass. Returns the seconds rank 0 waited
-        for the generators to take them (0 on other ranks): a generator evaluating makes it wait."""
+        for the generators to take them (a generator evaluating makes it wait) and the largest logprob
+        gap an engine measured under it (`runtime.probe`); (0, None) on other ranks. A gap beyond
+        generator.max_logprob_gap stops the run (RuntimeError naming it)."""
         faults.point("trainer.sync", version)
+        probe = self.backend.trainer.probe_logprobs(self.probe)  # every rank: a forward pass of the trainers
+        if self.env.rank == 0:
+            write_probe(self.paths, version, self.probe, probe)
         weights = self.format.export(self.backend)
-        writer, waited = None, 0.0
+        writer, waited, gap = None, 0.0, None
         if export_to is not None and self.env.rank == 0:
             writer = PolicyWriter(export_to, self.format, version)
             weights = _tee(weights, writer.add)
@@ -46,6 +55,7 @@ class Publisher:
         else:
             try:
                 waited = self.sender.broadcast(weights, version=version, kind=self.format.name).waited_s
+                gap = self._judge(version, self.sender.probe_gaps(version))
             except WeightSyncError:
                 if not self.stop.requested:
                     raise
@@ -56,7 +66,20 @@ class Publisher:
                     pass
         if writer is not None:
             writer.close()
-        return waited
+        return waited, gap
+
+    def _judge(self, version: int, gaps: dict[int, float]) -> float:
+        """The largest of the engines' gaps; beyond generator.max_logprob_gap, stop naming who."""
+        worst = max(gaps, key=gaps.get)
+        check_gap(version, gaps[worst], f"sync rank {worst} (generator {(worst - 1) // self.tp})",
+                  self.config.generator.max_logprob_gap)
+        return gaps[worst]
+
+
+def _tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
 def host_weight_sync(env: RoleEnv, paths: RunPaths, config):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..algorithms.advantages import group_advantages, overlong_penalty
 from ..algorithms.losses import policy_loss
 from ..config.schema import AlgorithmConfig
-from ..rollout import FinishReason, RolloutBatch
+from ..rollout import FinishReason, RolloutBatch, Sample
 from .logprobs import completion_logprobs, pack
 from .model import trainable_parameters
 from .recipes import recipe
@@ -128,6 +128,21 @@ class Trainer:
                 begin, end = batch.completion_offsets[i], batch.completion_offsets[i + 1]
                 out[begin:end] = logprobs[row, : end - begin]
         return out
+
+    @torch.no_grad()
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The policy's log-probability of each of `token_ids` after the ones before it, at temperature
+        1 (what vLLM's prompt logprobs are): len(token_ids) - 1 values. A collective of the trainers."""
+        sample = Sample(prompt_ids=token_ids[:1], completion_ids=token_ids[1:], completion_logprobs=[0.0] * (len(token_ids) - 1),
+                        reward=0.0, group_id=0, sample_index=0, finish_reason=FinishReason.STOP)
+        packed = pack(RolloutBatch.from_samples([sample], policy_version=0), np.arange(1), self.pad_id, self.device)
+        self.model.eval()
+        temperature, self.temperature = self.temperature, 1.0
+        try:
+            logprobs = self._logprobs(packed)[0]
+        finally:
+            self.temperature = temperature
+        return logprobs[0, : len(token_ids) - 1].float().cpu().tolist()
 
     def _mean_tokens(self, batch: RolloutBatch, samples: np.ndarray) -> float:
         """Completion tokens per sample in `samples` that enter the loss (the "token" aggregation's budget)."""

@@ -13,6 +13,8 @@ One message on the wire (header and ack are int64, everything else uint8):
                smaller ones are packed 64-byte aligned into buckets of at most `bucket_bytes` (the
                sender's only copy). The sender packs bucket k+1 while piece k is on the wire.
   4. ack       all-reduce of int64[W, 2]: (status, last applied version) per sync rank
+  5. probe     all-reduce of float64[W]: each receiver's logprob gap to the trainer under the version
+               it just applied (`runtime.probe`), measured by its engine after the ack
 
 Memory: a receiver holds two piece buffers (each max(bucket, largest tensor)), reused across
 messages, and never the whole model; the consumer pulls views into them, each valid until it asks for
@@ -133,10 +135,18 @@ class _Collectives:
             self._fail(e, what, started, limit)
         return _Pending(work, what, started, limit, tensor)
 
+    def gather(self, value: float, what: str) -> list[float]:
+        """Every rank's `value` (float64); a collective of the whole group."""
+        return self._table(torch.tensor(value, dtype=torch.float64), what)
+
     def acknowledge(self, status: int, last_version: int | None, what: str) -> list[list[int]]:
         """Every rank's (status, last applied version); the sender contributes (OK, -1)."""
-        table = torch.zeros(self.group.world_size, 2, dtype=torch.int64, device=self.group.device)
-        table[self.group.rank] = torch.tensor([status, -1 if last_version is None else last_version])
+        return self._table(torch.tensor([status, -1 if last_version is None else last_version]), what)
+
+    def _table(self, row: torch.Tensor, what: str) -> list:
+        """All-reduce of a [world, *row.shape] table in which each rank fills its own row."""
+        table = torch.zeros(self.group.world_size, *row.shape, dtype=row.dtype, device=self.group.device)
+        table[self.group.rank] = row
         options = dist.AllreduceOptions()
         options.timeout = limit = self.group.timeout
         started = time.monotonic()
@@ -148,12 +158,29 @@ class _Collectives:
         return table.tolist()
 
     def wait(self, pending: _Pending) -> None:
+        """Return once `pending` completed: the sender's in-flight bound and every deadline rest on it."""
         if pending.work is None:
             return
         try:
             pending.work.wait(pending.limit)  # the backend enforces the limit too; this bounds our own wait
+            if self.group.backend == "nccl":
+                self._poll(pending)
         except RuntimeError as e:
             self._fail(e, pending.what, pending.started, pending.limit)
+
+    @staticmethod
+    def _poll(pending: _Pending) -> None:
+        """On NCCL `Work.wait` only orders the current stream after the collective and returns (it
+        blocks only with TORCH_NCCL_BLOCKING_WAIT): poll its completion (a CUDA event query) against
+        the deadline, so a stalled peer ends in our named error rather than a watchdog abort, and the
+        host does not run ahead of the wire holding every tensor it queued."""
+        deadline = pending.started + pending.limit.total_seconds()
+        pause = 20e-6
+        while not pending.work.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError("not completed by its deadline (NCCL work still pending on the GPU)")
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-3)
 
     def _fail(self, error: Exception, what: str, started: float, limit: timedelta) -> None:
         self.broken = WeightSyncError(
@@ -268,6 +295,13 @@ class WeightSender:
         self.last_version = version
         return Transfer(version, kind, len(specs), sum(s[3] for s in specs), len(plan.pieces), waited)
 
+    def probe_gaps(self, version: int) -> dict[int, float]:
+        """After `broadcast(version)`: each generator worker's logprob gap to the trainer, by sync rank
+        (what every receiver's `report_gap` sends once its engine scored the probe)."""
+        self._ops.check_usable()
+        values = self._ops.gather(0.0, f"logprob probe of version {version} by the generator workers")
+        return {rank: value for rank, value in enumerate(values) if rank > 0}
+
     def _send_pieces(self, take: Callable[[int], torch.Tensor], plan: _Plan, version: int) -> None:
         in_flight: deque = deque()
         buckets = 0
@@ -353,6 +387,11 @@ class WeightReceiver:
             for pairs in message.pieces():
                 consumer(pairs)
         return message.transfer
+
+    def report_gap(self, gap: float, version: int) -> None:
+        """After applying `version`: this worker's engine's logprob gap to the trainer (`probe_gaps`)."""
+        self._ops.check_usable()
+        self._ops.gather(gap, f"logprob probe of version {version}")
 
     def _pieces(self, meta: dict, version: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         pieces, specs = meta["pieces"], meta["tensors"]

@@ -76,3 +76,19 @@ def test_lora_weight_sync_serves_exactly_the_trainers_adapter(repo, tmp_path):
     assert any(m["grad_norm"] > 0 for m in lines)  # the adapters did change between versions
     served = [p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("adapter_")]
     assert served == ["adapter_v4"]  # older versions cleaned up (weights/step_<k> are the evaluated exports)
+    # After every sync the engine scored the probe sequence as the trainer did: the gap is the numerics'
+    assert all(m["logprob_gap"] < 1e-4 for m in lines), [m["logprob_gap"] for m in lines]
+    assert sorted(p.name for p in (run_dir / "weights").glob("probe_v*.json")) == ["probe_v3.json", "probe_v4.json"]
+
+
+def test_a_generator_serving_another_policy_than_the_trainers_stops_the_run_naming_the_gap(repo, tmp_path):
+    """The probe check, made to fire: with generator.max_logprob_gap below float32 noise, the first
+    sync's gap (~1e-6) is "another policy". Trainer rank 0 stops the run, naming the engine and the
+    gap; a real mismatch (an adapter vLLM does not apply) differs by far more than numerics."""
+    result = submit(repo, tmp_path / "run", "generator.max_logprob_gap=1e-9", "schedule.steps=3",
+                    "schedule.eval_every=0", "eval.problems=16")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "trainer 0 failed" in result.stderr
+    assert "policy version 1: the log-probabilities of the probe sequence" in result.stderr, result.stderr[-3000:]
+    assert "sync rank 1 (generator 0)" in result.stderr and "above generator.max_logprob_gap 1e-09" in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()

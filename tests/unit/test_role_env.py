@@ -81,3 +81,54 @@ def test_attempt_names_the_job_and_the_restart():
     assert RoleEnv.from_environ(SLURM_TRAINER).attempt == "100.2"
     assert RoleEnv.from_environ({**SLURM_TRAINER, "SLURM_JOB_ID": "200"}).attempt == "200.2"
     assert RoleEnv.from_environ(RoleEnv.local_environ("trainer", 0, 1, restart_count=1)).attempt == "local.1"
+
+
+@pytest.mark.parametrize("local_rank,count,expected", [
+    (0, 4, 0), (3, 4, 3),  # every task sees the node's 4 GPUs: one each, by node-local rank
+    (0, 1, 0), (3, 1, 0),  # Slurm bound one GPU to each task (--gpus-per-task): the only one it sees
+])
+def test_each_trainer_rank_selects_its_own_gpu_in_both_slurm_layouts(local_rank, count, expected):
+    """configs/aime.yaml runs 4 trainer ranks a node; without a choice FSDP2 put all of them on cuda:0."""
+    from rltools.runtime.roles import gpu_index
+
+    assert gpu_index(local_rank, count, "0,1,2,3" if count == 4 else str(local_rank)) == expected
+
+
+def test_a_trainer_rank_without_a_gpu_of_its_own_is_named():
+    from rltools.runtime.roles import gpu_index
+
+    with pytest.raises(RuntimeError) as short:
+        gpu_index(2, 2, "0,1")
+    assert "node-local rank 2 sees 2 GPU(s) (CUDA_VISIBLE_DEVICES=0,1)" in str(short.value)
+    assert "cluster.trainers.gpus_per_node >= ntasks_per_node" in str(short.value)
+
+
+def test_the_trainer_makes_its_gpu_current_and_binds_its_group_to_it(monkeypatch):
+    """With a stand-in device count: trainer_device makes the chosen device current (FSDP2 and the
+    weight-sync group use the current device)."""
+    import torch
+
+    from rltools.train import loop
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert loop.trainer_device(3) == torch.device("cuda", 3) and current == [torch.device("cuda", 3)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert loop.trainer_device(3) == torch.device("cuda", 0)
+
+
+def test_the_probe_gap_and_its_verdict():
+    from rltools.runtime.probe import check_gap, probe_gap
+
+    assert probe_gap([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.2]) == pytest.approx((0.4 / 3, 0.3))
+    with pytest.raises(ValueError, match="scored 2 tokens, the generator 1"):
+        probe_gap([-1.0, -2.0], [-1.0])
+    check_gap(3, 0.05, "sync rank 1 (generator 0)", 0.1)
+    check_gap(3, 5.0, "sync rank 1 (generator 0)", 0.0)  # 0: no check
+    with pytest.raises(RuntimeError) as far:
+        check_gap(3, 0.7, "sync rank 2 (generator 1)", 0.1)
+    assert "policy version 3" in str(far.value) and "sync rank 2 (generator 1)" in str(far.value)
+    assert "by 0.7 on average, above generator.max_logprob_gap 0.1" in str(far.value)
+    assert "kv_b_proj" in str(far.value), "names the likely causes"
