@@ -154,7 +154,7 @@ class RunPaths:
     def probe_file(self, version: int) -> Path:
         """The trainer's log-probabilities of the probe sequence under policy version `version`,
         written before that version is broadcast; each generator compares its own after loading it."""
-        return self.weights / f"probe_v{version}.json"
+        return self.root / "probes" / f"probe_v{version}.json"
 
     def policy_dir(self, step: int) -> Path:
         """The policy after `step` optimizer steps, exported for evaluation (rltools.policy_exports)."""

@@ -145,9 +145,9 @@ def receive(engine: VLLMEngine, task, config, paths: RunPaths, env: RoleEnv, ver
 
 def probe(engine: VLLMEngine, paths: RunPaths, version: int) -> float:
     """Score the trainer's probe of `version` with the weights just loaded and report the mean gap to
-    trainer rank 0, which judges it (`runtime.probe`); returns it."""
-    tokens, trainer = read_probe(paths, version)
-    gap, _ = probe_gap(trainer, engine.probe_logprobs(tokens))
+    trainer rank 0, which judges it (`runtime.probe`); returns it (nan: the trainer wrote no probe)."""
+    probe = read_probe(paths, version)
+    gap = float("nan") if probe is None else probe_gap(probe[1], engine.probe_logprobs(probe[0]))[0]
     engine.report_gap(gap, version)
     return gap
 

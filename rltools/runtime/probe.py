@@ -1,7 +1,7 @@
 """The logprob probe: after every weight sync, proof that the generators serve the policy trained.
 
 Before broadcasting policy version v, the trainers score one fixed token sequence with the new
-weights and trainer rank 0 writes `weights/probe_v<v>.json` (tokens and their log-probabilities, at
+weights and trainer rank 0 writes `probes/probe_v<v>.json` (tokens and their log-probabilities, at
 temperature 1). Each generator, once it loaded v, scores the same tokens with vLLM and reports the
 mean absolute difference to trainer rank 0 over the weight-sync group (`WeightSender.probe_gaps`):
 the largest is the step's `logprob_gap` metric. Trainer rank 0 stops the run when it is beyond
@@ -29,12 +29,15 @@ def probe_tokens(tokenizer) -> list[int]:
 def write_probe(paths: RunPaths, version: int, tokens: list[int], logprobs: list[float]) -> None:
     """Trainer rank 0, before broadcasting `version`; drops the probe of version - 2 (every generator
     has compared it: it took version - 1 since)."""
-    paths.weights.mkdir(exist_ok=True)
+    paths.probe_file(version).parent.mkdir(exist_ok=True)
     atomic_write(paths.probe_file(version), json.dumps({"version": version, "tokens": tokens, "logprobs": logprobs}))
     paths.probe_file(version - 2).unlink(missing_ok=True)
 
 
-def read_probe(paths: RunPaths, version: int) -> tuple[list[int], list[float]]:
+def read_probe(paths: RunPaths, version: int) -> tuple[list[int], list[float]] | None:
+    """The trainer's probe of `version`; None when its backend scores none (Megatron, so far)."""
+    if not paths.probe_file(version).exists():
+        return None
     record = json.loads(paths.probe_file(version).read_text())
     return record["tokens"], record["logprobs"]
 

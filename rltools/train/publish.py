@@ -42,7 +42,7 @@ class Publisher:
         generator.max_logprob_gap stops the run (RuntimeError naming it)."""
         faults.point("trainer.sync", version)
         probe = self.backend.trainer.probe_logprobs(self.probe)  # every rank: a forward pass of the trainers
-        if self.env.rank == 0:
+        if self.env.rank == 0 and probe is not None:
             write_probe(self.paths, version, self.probe, probe)
         weights = self.format.export(self.backend)
         writer, waited, gap = None, 0.0, None
@@ -69,7 +69,11 @@ class Publisher:
         return waited, gap
 
     def _judge(self, version: int, gaps: dict[int, float]) -> float:
-        """The largest of the engines' gaps; beyond generator.max_logprob_gap, stop naming who."""
+        """The largest of the engines' gaps; beyond generator.max_logprob_gap, stop naming who. None
+        when no probe was scored (a backend that scores none reports nan)."""
+        gaps = {rank: gap for rank, gap in gaps.items() if gap == gap}
+        if not gaps:
+            return None
         worst = max(gaps, key=gaps.get)
         check_gap(version, gaps[worst], f"sync rank {worst} (generator {(worst - 1) // self.tp})",
                   self.config.generator.max_logprob_gap)

@@ -78,7 +78,7 @@ def test_lora_weight_sync_serves_exactly_the_trainers_adapter(repo, tmp_path):
     assert served == ["adapter_v4"]  # older versions cleaned up (weights/step_<k> are the evaluated exports)
     # After every sync the engine scored the probe sequence as the trainer did: the gap is the numerics'
     assert all(m["logprob_gap"] < 1e-4 for m in lines), [m["logprob_gap"] for m in lines]
-    assert sorted(p.name for p in (run_dir / "weights").glob("probe_v*.json")) == ["probe_v3.json", "probe_v4.json"]
+    assert sorted(p.name for p in (run_dir / "probes").iterdir()) == ["probe_v3.json", "probe_v4.json"]
 
 
 def test_a_generator_serving_another_policy_than_the_trainers_stops_the_run_naming_the_gap(repo, tmp_path):

@@ -74,6 +74,12 @@ class MegatronTrainer(Trainer):
             forward_only=forward_only, collect_non_loss_data=forward_only,
         )
 
+    def probe_logprobs(self, token_ids: list[int]) -> None:
+        """Not built for Megatron yet (its logits live on the last pipeline stage, its ranks would have
+        to agree to score the probe): no probe file, so the generators report none and the run has no
+        `logprob_gap` check (docs/how-it-works.md says so)."""
+        return None
+
     def _completion_logprobs(self, packed, logits: torch.Tensor, with_entropy: bool = False):
         width, steps = packed.prompt_ids.shape[1], packed.completion_ids.shape[1]
         # position width-1 (the prompt's last token) predicts completion token 0
