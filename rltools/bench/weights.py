@@ -28,7 +28,8 @@ import torch
 
 from ..errors import UserError
 from ..paths import RunPaths
-from ..weight_sync.channel import WeightReceiver, WeightSender
+from ..weight_sync.channel import WeightSender
+from ..weight_sync.receiver import WeightReceiver
 from ..weight_sync.rendezvous import SyncGroup, SyncOptions, host_group, join_group
 
 HIDDEN, INTERMEDIATE, KV = 576, 1536, 192

@@ -4,7 +4,8 @@
 moves named tensors over it (`rltools bench weights` measures it against a plain broadcast).
 """
 
-from .channel import StaleVersionError, TensorStream, Transfer, WeightReceiver, WeightSender
+from .channel import StaleVersionError, TensorStream, Transfer, WeightSender
+from .receiver import WeightReceiver
 from .rendezvous import SyncGroup, SyncOptions, WeightSyncError, bound_store, host_group, join_group
 
 __all__ = [
