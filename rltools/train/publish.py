@@ -34,11 +34,11 @@ class Publisher:
         # Generators join only now (after the resume): they never see shards or checkpoints in flux.
         self.sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
 
-    def send(self, version: int, export_to: Path | None = None) -> tuple[float, float | None]:
+    def send(self, version: int, export_to: Path | None = None) -> tuple[float, list[float] | None]:
         """Broadcast `version`'s weights (collective over the trainer ranks); with `export_to`, rank 0
         also writes them there as a policy export while they pass. Returns the seconds rank 0 waited
-        for the generators to take them (a generator evaluating makes it wait) and the largest logprob
-        gap an engine measured under it (`runtime.probe`); (0, None) on other ranks. A gap beyond
+        for the generators to take them (a generator evaluating makes it wait) and the logprob gap
+        each engine measured under it (`runtime.probe`); (0, None) on other ranks. A gap beyond
         generator.max_logprob_gap stops the run (RuntimeError naming it)."""
         faults.point("trainer.sync", version)
         probe = self.backend.trainer.probe_logprobs(self.probe)  # every rank: a forward pass of the trainers
@@ -68,16 +68,23 @@ class Publisher:
             writer.close()
         return waited, gap
 
-    def _judge(self, version: int, gaps: dict[int, float]) -> float:
-        """The largest of the engines' gaps; beyond generator.max_logprob_gap, stop naming who. None
-        when no probe was scored (a backend that scores none reports nan)."""
+    def _judge(self, version: int, gaps: dict[int, float]) -> list[float] | None:
+        """Each engine's gap (the largest over its TP workers), in engine order; beyond
+        generator.max_logprob_gap, stop naming who. None when no probe was scored (a backend that
+        scores none reports nan)."""
         gaps = {rank: gap for rank, gap in gaps.items() if gap == gap}
         if not gaps:
             return None
         worst = max(gaps, key=gaps.get)
-        check_gap(version, gaps[worst], f"sync rank {worst} (generator {(worst - 1) // self.tp})",
+        check_gap(version, gaps[worst], f"sync rank {worst} (generator {self._engine(worst)})",
                   self.config.generator.max_logprob_gap)
-        return gaps[worst]
+        engines: dict[int, float] = {}
+        for rank, gap in gaps.items():
+            engines[self._engine(rank)] = max(gap, engines.get(self._engine(rank), 0.0))
+        return [engines[engine] for engine in sorted(engines)]
+
+    def _engine(self, sync_rank: int) -> int:
+        return (sync_rank - 1) // self.tp
 
 
 def _tokenizer(model_path: str):

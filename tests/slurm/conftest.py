@@ -27,13 +27,14 @@ def slurm():
         pytest.skip(f"no local Slurm ({problem}); run: bash scripts/local-slurm.sh start")
 
 
-def demo_run(repo, tmp_path, *overrides, entries=None):
-    """The demo config as a Slurm job in tmp_path (memory left to the partition), prepared for sbatch."""
+def demo_run(repo, tmp_path, *overrides, entries=None, config_name="demo.yaml"):
+    """A shipped config (the demo's) as a Slurm job in tmp_path (memory left to the partition),
+    prepared for sbatch."""
     from rltools.config import load_config
     from rltools.launch.run_dir import prepare_run_dir
     from rltools.launch.sbatch import render_sbatch
 
-    config = load_config(repo / "configs" / "demo.yaml", slurm_demo_overrides(tmp_path / "run", *overrides)[1::2])
+    config = load_config(repo / "configs" / config_name, slurm_demo_overrides(tmp_path / "run", *overrides)[1::2])
     return prepare_run_dir(config, render_sbatch(config, entries))
 
 

