@@ -32,6 +32,8 @@ Invariants:
   and the CPU_MLA attention backend on every host (`_cpu_mla_backend`).
 - With routing replay each completion carries the experts vLLM routed its sequence's tokens to
   (`enable_return_routed_experts`, GPU only: it needs vLLM's model runner V2, which needs triton).
+- vLLM's engine-core process and its workers die with the generator (`runtime.lifeline`): they
+  would otherwise hold the weight-sync group after a kill -9 or a SIGTERM of the generator.
 - TP workers on CPU get CPUs of their own (`cpu_thread_binding`) where vLLM's binding, a NUMA node
   per worker, would refuse to start.
 - vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says otherwise: at INFO it writes two lines per
@@ -207,6 +209,7 @@ class VLLMEngine:
                 worker_extension_cls="rltools.generate.worker_ext.WeightSyncExtension",
                 **kwargs,
             )
+        self.llm.collective_rpc("rltools_die_with", args=(os.getpid(),))  # vLLM's processes end with this one
         self.tokenizer = self.llm.get_tokenizer()
 
     def _checkpoint(self, model: ModelConfig):

@@ -16,6 +16,13 @@ class WeightSyncExtension:
     # Everything crossing `collective_rpc` is plain data (str, int, float, lists, dicts): with vLLM's
     # engine-core process (its default) arguments and results travel as msgpack, which turns tuples
     # into lists and refuses other objects.
+    def rltools_die_with(self, generator_pid: int) -> bool:
+        """Die with the generator process (`runtime.lifeline`); returns whether this worker is in a
+        process of its own (False: the one-process engine's worker, the generator itself)."""
+        from ..runtime.lifeline import die_with
+
+        return die_with(generator_pid)
+
     def rltools_join_sync(
         self, run_dir: str, first_rank: int, world_size: int, attempt: str, backend: str, timeout_s: float,
         weight_format: dict,

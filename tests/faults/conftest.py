@@ -14,12 +14,6 @@ from pathlib import Path
 
 # Short and cheap: 16 held-out problems, evaluated only before and after training.
 FAST = ["eval.problems=16", "schedule.eval_every=0", "schedule.checkpoint_every=5"]
-# The one-process vLLM engine, for now. With vLLM's engine-core process (its default, which the
-# other tiers run) a kill -9 of the launcher left the trainer alive for more than 40 s on a loaded
-# machine: the generator's engine-core child holds the weight-sync group after the generator itself
-# is gone, and the trainer's collective waits on it. Open in issue 24's note: make that child die
-# with its generator, then drop this.
-ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class Launch:
@@ -34,7 +28,7 @@ class Launch:
         self.log = logs / f"{run_dir.name}.launch{len(list(logs.glob('*.launch*')))}.err"
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "rltools", *map(str, args)], cwd=repo, stderr=err,
-                                         stdout=subprocess.DEVNULL, env={**os.environ, **ENGINE, **(env or {})},
+                                         stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})},
                                          preexec_fn=_as_from_a_terminal)
 
     @classmethod
@@ -101,6 +95,28 @@ def wait_gone(run_dir: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while role_pids(run_dir):
         assert time.monotonic() < deadline, f"role processes outlived the launcher: {role_pids(run_dir)}"
+        time.sleep(0.2)
+
+
+def session_members(sessions: set[int]) -> list[str]:
+    """'pid command' of each live process in one of `sessions`: a role is started as a session
+    leader, and vLLM's engine-core process and workers stay in the generator's session."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[3]) in sessions:
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {command.strip()}")
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def wait_session_gone(sessions: set[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while left := session_members(sessions):
+        assert time.monotonic() < deadline, f"processes outlived their role by {timeout:.0f} s: {left}"
         time.sleep(0.2)
 
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from .conftest import Launch, kill, role_pids, steps, wait_gone
+from .conftest import Launch, kill, role_pids, session_members, steps, wait_gone, wait_session_gone
 
 TOTAL = 120
 
@@ -83,7 +83,9 @@ def test_resume_after_a_crash_replays_nothing_and_a_second_launch_is_refused(run
         assert (f"run directory {run['dir']} is in use by rltools resume (local launcher) (pid {resumed.proc.pid}"
                 in second.stderr), second.stderr
     resumed.wait_for_output(f"step {start + 2}/{TOTAL}")
+    sessions = set(role_pids(run["dir"]).values())
     kill(role_pids(run["dir"])["generator"])  # and then the generator dies
+    wait_session_gone(sessions)  # vLLM's engine core and worker with it (they held the weight-sync group)
     assert resumed.wait() == 1
     assert "generator 0 failed (exit -9)" in resumed.stderr
     shown = shown_steps(resumed)
@@ -111,8 +113,11 @@ def test_sigterm_or_sighup_to_the_launcher_stops_both_roles_at_a_checkpoint(run,
 def test_kill_9_of_the_launcher_takes_its_roles_down(run):
     current = launch(run)
     current.wait_for_output(f"step {len(steps(run['dir'])) + 2}/{TOTAL}")
+    sessions = set(role_pids(run["dir"]).values())
+    assert session_members(sessions) and any("VLLM::EngineCore" in p for p in session_members(sessions))
     kill(current.proc.pid)
     wait_gone(run["dir"], timeout=120)  # PR_SET_PDEATHSIG: each role got SIGTERM
+    wait_session_gone(sessions)  # the generator leaves with os._exit: vLLM's processes die with it (lifeline)
     trainer_log = sorted((run["dir"] / "slurm/logs").glob("attempt_*/trainer_0.log"))[-1].read_text()
     assert "received SIGTERM" in trainer_log and "stopped on SIGTERM" in trainer_log
     assert checkpoints(run["dir"])[-1] == len(steps(run["dir"]))
