@@ -3,18 +3,24 @@
 #
 #   bash scripts/gpu-check.sh        # ~5-8 minutes on one GPU; exit 1 if a check failed, else 0
 #
-# Assumes the repo's .venv already exists with the GPU extras:
-#   RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh      (upstream vLLM, megatron-core, ...)
-# It installs nothing and needs no network (Hugging Face offline, no vLLM usage stats). Logs go to
-# stderr; stdout carries only the JSON. Without CUDA every check is skipped, the JSON still prints,
-# and the exit code is 0.
+# Two ways to have the Python it needs, neither of which installs anything over the network:
+#   - the repo's .venv with the GPU extras (a cluster node): RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh
+#   - no .venv: the machine's python3 with its own torch (a GPU machine lent without network, such as
+#     the one-H200 machines of this workplace), plus the wheels `bash scripts/gpu-wheels.sh` put in
+#     .whl/ on a machine that has the package index: installed under a temporary directory here.
+#     Checks that need what is neither there nor carried (vLLM's CUDA build) report themselves skipped.
+# RLTOOLS_PYTHON overrides the choice. rltools itself is imported from this checkout. Hugging Face is
+# offline and vLLM's usage stats are off. Logs go to stderr; stdout carries only the JSON. Without
+# CUDA every check is skipped, the JSON still prints, and the exit code is 0.
 #
 # Checks, in order:
 #   - `rltools bench weights --backend nccl`: the weight-sync broadcast in GB/s against one plain
 #     NCCL broadcast (needs 2+ GPUs, one per process; skipped on one GPU);
-#   - each file of tests/gpu/ in its own pytest process (vLLM on CUDA with a weight reload, NVFP4
-#     serving, FSDP2 steps, Megatron steps, ...): a file's vLLM engines, process groups and CUDA
-#     state cannot disturb the next file;
+#   - each file of tests/gpu/ in its own pytest process: FSDP2 + LoRA steps (dense and MoE) against
+#     the CPU's with the logprob probe and peak memory, device selection, the weight-sync deadline on
+#     NCCL work, NVFP4 dequantisation CUDA vs CPU, Megatron steps, vLLM on CUDA with a weight reload,
+#     NVFP4 serving, routing replay: a file's engines, process groups and CUDA state cannot disturb
+#     the next file;
 #   - the `gpu`-marked tests elsewhere in tests/ (the NCCL weight-sync round trip).
 # Each check reports name, status (passed/failed/skipped), seconds and its figures (the tests'
 # `record_property` values, the benchmark's GB/s). The whole run keeps to a budget
@@ -22,15 +28,30 @@
 # ("not run"), never dropped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
-if [ ! -x "$PY" ]; then
-    echo "gpu-check: no .venv here; run RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh first" >&2
-    exit 2
-fi
-BUDGET=${RLTOOLS_GPU_CHECK_BUDGET_S:-450}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 work=$(mktemp -d "${TMPDIR:-/tmp}/rltools-gpu-check.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+if [ -n "${RLTOOLS_PYTHON:-}" ]; then
+    PY=$RLTOOLS_PYTHON
+elif [ -x .venv/bin/python ]; then
+    PY=.venv/bin/python
+else
+    PY=$(command -v python3) || { echo "gpu-check: no .venv and no python3 here" >&2; exit 2; }
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        echo "gpu-check: installing $(ls .whl/*.whl | wc -l) carried wheels from .whl/ for $PY" >&2
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" .whl/*.whl \
+            >&2 || { echo "gpu-check: the wheels in .whl/ do not install for $PY" >&2; exit 2; }
+        export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+"$PY" -c 'import torch, pydantic' 2>/dev/null || {
+    echo "gpu-check: $PY lacks torch or rltools' dependencies: create .venv (RLTOOLS_EXTRAS=gpu,test bash" \
+        "scripts/setup.sh) or carry the wheels of scripts/gpu-wheels.sh in .whl/" >&2
+    exit 2
+}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+echo "gpu-check: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'))" >&2
+BUDGET=${RLTOOLS_GPU_CHECK_BUDGET_S:-450}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 begin=$SECONDS
 
 # check NAME CAP_S COMMAND...: run COMMAND under a deadline (CAP_S or what is left of the budget).

@@ -1,9 +1,12 @@
-"""GRPO steps on CUDA give the CPU run's losses: plain, under FSDP2, over two GPUs (skipped without one).
+"""GRPO steps on CUDA give the CPU run's losses: plain, under FSDP2, over two GPUs (skipped without
+one), on the dense demo model and on the MLA + MoE one; the logprob probe (`runtime.probe`) scores
+alike on both devices; each run's peak GPU memory is recorded.
 
 Not run on the CPU machines this project is developed on: whether it passes is unverified until a
 GPU runs it. Every run is its own spawned process, so process groups and CUDA state never leak into
-the other GPU tests; the CPU run is the reference. Process groups are NCCL-only, as
-`train.loop.init_trainer_group` makes them on CUDA.
+the other GPU tests; the CPU run is the reference. Each rank takes its device as a trainer does
+(`train.loop.trainer_device`), and process groups are NCCL-only, as `train.loop.init_trainer_group`
+makes them on CUDA.
 """
 
 import math
@@ -15,31 +18,42 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-TINY = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
+ASSETS = Path(__file__).resolve().parents[2] / "rltools" / "assets"
+MODELS = {"dense": "tiny-arith", "moe": "tiny-moe-arith"}
 STEPS = 3
 # float32 on both sides. PyTorch keeps TF32 off for float32 matmuls by default, but CUDA kernels sum
 # in another order; 1e-2 relative also holds if TF32 is on (~1e-3 relative per matmul).
 REL, ABS = 1e-2, 1e-4
+PROBE_GAP = 1e-3
+"""Mean absolute logprob difference of the probe, CUDA vs CPU in float32 (generator.max_logprob_gap
+is 0.1: a GPU run must stay far below it on numerics alone)."""
 
 
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory) -> dict:
-    return run(tmp_path_factory.mktemp("cpu"), "cpu", world=1)
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def cpu_run(request, tmp_path_factory) -> dict:
+    return run(tmp_path_factory.mktemp("cpu"), "cpu", world=1, model=request.param)
 
 
 @pytest.mark.parametrize("mode", ["cuda", "fsdp2"])
 def test_grpo_steps_on_one_gpu_match_cpu(cpu_run, tmp_path, record_property, mode):
     """cuda: what one trainer rank runs (build_backend shards only with 2+ ranks); fsdp2: the same
     model under fully_shard on a one-rank NCCL group."""
-    compare(run(tmp_path, mode, world=1), cpu_run, record_property)
+    compare(run(tmp_path, mode, world=1, model=cpu_run["model"]), cpu_run, record_property)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2+ GPUs (one per rank)")
 def test_fsdp2_on_two_gpus_matches_cpu(cpu_run, tmp_path, record_property):
-    compare(run(tmp_path, "fsdp2", world=2), cpu_run, record_property)
+    compare(run(tmp_path, "fsdp2", world=2, model=cpu_run["model"]), cpu_run, record_property)
 
 
 def compare(gpu: dict, cpu: dict, record_property) -> None:
+    from rltools.runtime.probe import probe_gap
+
+    mean, worst = probe_gap(cpu["probe"], gpu["probe"])
+    record_property("probe_gap_mean", mean)
+    record_property("probe_gap_max", worst)
+    record_property("peak_gpu_mib", gpu["peak_mib"])
+    assert mean < PROBE_GAP, (mean, worst)
     for step, (ours, reference) in enumerate(zip(gpu["metrics"], cpu["metrics"], strict=True)):
         assert math.isfinite(ours["loss"]) and math.isfinite(ours["grad_norm"]), (step, ours)
         assert ours["loss"] == pytest.approx(reference["loss"], rel=REL, abs=ABS), step
@@ -51,39 +65,48 @@ def compare(gpu: dict, cpu: dict, record_property) -> None:
     assert all(torch.isfinite(t).all() for t in gpu["weights"].values())
 
 
-def run(tmp_path: Path, mode: str, world: int) -> dict:
+def run(tmp_path: Path, mode: str, world: int, model: str) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / f"{mode}-{world}.pt"
-    mp.spawn(train, args=(world, mode, port, str(out)), nprocs=world)
-    return torch.load(out)
+    out = tmp_path / f"{model}-{mode}-{world}.pt"
+    mp.spawn(train, args=(world, mode, port, str(out), model), nprocs=world)
+    return torch.load(out) | {"model": model}
 
 
-def train(rank: int, world: int, mode: str, port: int, out: str) -> None:
+def train(rank: int, world: int, mode: str, port: int, out: str, model_name: str = "dense") -> None:
     import torch.distributed as dist
+    from transformers import AutoTokenizer
 
     from rltools.config.schema import AlgorithmConfig, ModelConfig
+    from rltools.runtime.probe import probe_tokens
+    from rltools.train.loop import trainer_device
     from rltools.train.model import export_weights, load_policy, shard_model
     from rltools.train.trainer import Trainer
-    from tests.integration.test_trainer import LORA, synthetic_batch
+    from tests.integration import test_moe, test_trainer
 
     torch.set_num_threads(1)
-    device = torch.device("cpu") if mode == "cpu" else torch.device("cuda", rank)
+    path = ASSETS / MODELS[model_name]
+    lora = test_moe.LORA if model_name == "moe" else test_trainer.LORA
+    device = torch.device("cpu") if mode == "cpu" else trainer_device(rank)  # every rank sees every GPU here
+    if mode != "cpu":
+        assert device == torch.device("cuda", rank) and torch.cuda.current_device() == rank
     if mode == "fsdp2":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=device)
     torch.manual_seed(0)  # the LoRA A init: the same on every rank and in every mode
-    model = load_policy(ModelConfig(path=str(TINY), dtype="float32"), LORA).to(device)
+    model = load_policy(ModelConfig(path=str(path), dtype="float32"), lora).to(device)
     if mode == "fsdp2":
         shard_model(model)
     trainer = Trainer(model, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2, max_new_tokens=6, pad_id=0,
                       device=device, rank=rank, world_size=world)
-    metrics = [trainer.step(synthetic_batch(seed=s)) for s in range(STEPS)]
-    weights = {name: t.cpu() for name, t in export_weights(model, LORA.alpha / LORA.rank)}
+    metrics = [trainer.step(test_trainer.synthetic_batch(seed=s)) for s in range(STEPS)]
+    probe = trainer.probe_logprobs(probe_tokens(AutoTokenizer.from_pretrained(path, local_files_only=True)))
+    weights = {name: t.cpu() for name, t in export_weights(model, lora.alpha / lora.rank)}
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if mode != "cpu" else 0.0
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights}, out)
+        torch.save({"metrics": metrics, "weights": weights, "probe": probe, "peak_mib": peak}, out)
     if mode == "fsdp2":
         dist.destroy_process_group()

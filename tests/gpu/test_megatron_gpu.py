@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (the gpu extra: RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh)")
 
 TINY = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
 

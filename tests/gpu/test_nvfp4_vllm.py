@@ -12,6 +12,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("vllm", reason="vLLM is not installed (the gpu extra: RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh)")
 
 TINY = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
 # The FP4 kernels' numerics are not the trainer's dequantise-then-matmul: the gap (what

@@ -18,6 +18,7 @@ import torch
 from rltools.config.schema import GeneratorConfig, LoraConfig, ModelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("vllm", reason="vLLM is not installed (the gpu extra: RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh)")
 
 MOE = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-moe-arith"
 PROMPTS = ["What is 12+7?=", "What is 3*4+5?=", "What is 90-45?=", "What is 8*8-1?="]
