@@ -35,7 +35,8 @@ def write_probe(paths: RunPaths, version: int, tokens: list[int], logprobs: list
 
 
 def read_probe(paths: RunPaths, version: int) -> tuple[list[int], list[float]] | None:
-    """The trainer's probe of `version`; None when its backend scores none (Megatron, so far)."""
+    """The trainer's probe of `version`; None when the trainer wrote none (a backend whose
+    `probe_logprobs` returns None)."""
     if not paths.probe_file(version).exists():
         return None
     record = json.loads(paths.probe_file(version).read_text())

@@ -130,12 +130,16 @@ class Trainer:
         return out
 
     @torch.no_grad()
+    def _probe_pack(self, token_ids: list[int]):
+        """`token_ids` as one sample: its first token the prompt, the rest the completion scored."""
+        sample = Sample(prompt_ids=token_ids[:1], completion_ids=token_ids[1:], completion_logprobs=[0.0] * (len(token_ids) - 1),
+                        reward=0.0, group_id=0, sample_index=0, finish_reason=FinishReason.STOP)
+        return pack(RolloutBatch.from_samples([sample], policy_version=0), np.arange(1), self.pad_id, self.device)
+
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """The policy's log-probability of each of `token_ids` after the ones before it, at temperature
         1 (what vLLM's prompt logprobs are): len(token_ids) - 1 values. A collective of the trainers."""
-        sample = Sample(prompt_ids=token_ids[:1], completion_ids=token_ids[1:], completion_logprobs=[0.0] * (len(token_ids) - 1),
-                        reward=0.0, group_id=0, sample_index=0, finish_reason=FinishReason.STOP)
-        packed = pack(RolloutBatch.from_samples([sample], policy_version=0), np.arange(1), self.pad_id, self.device)
+        packed = self._probe_pack(token_ids)
         self.model.eval()
         temperature, self.temperature = self.temperature, 1.0
         try:

@@ -42,6 +42,8 @@ def test_megatron_trains_like_fsdp2(parallel, repo, fsdp_run, tmp_path):
     ours, theirs = _metrics(tmp_path / "megatron"), _metrics(fsdp_run)
     assert [m["step"] for m in ours] == list(range(STEPS))
     assert all(m["logprob_diff"] < 1e-3 for m in ours), [m["logprob_diff"] for m in ours]  # vLLM serves our policy
+    # and the probe after every sync says so too, scored by megatron's schedule (at PP=2 on the last stage)
+    assert all(m["logprob_gap"] < 1e-4 for m in ours), [m.get("logprob_gap") for m in ours]
     # Step 0 samples the same base policy with the same seeds: the same rollouts, the same loss.
     assert ours[0]["reward_mean"] == theirs[0]["reward_mean"]
     assert ours[0]["loss"] == pytest.approx(theirs[0]["loss"], abs=1e-4)
