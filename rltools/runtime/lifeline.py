@@ -23,13 +23,20 @@ log = logging.getLogger("rltools.lifeline")
 POLL_S = 0.2
 
 
-def parent_of(pid: int) -> int | None:
-    """The parent pid of `pid` (from /proc), None when it is gone."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
+    [state, ppid, pgrp, session, ...]; None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces
-    except (OSError, IndexError, ValueError):
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of `pid`, None when it is gone."""
+    fields = proc_stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def chain_to(ancestor: int) -> list[int] | None:
@@ -51,7 +58,7 @@ def die_with(ancestor: int) -> bool:
     chain = chain_to(ancestor)
     if chain == []:
         return False
-    if chain is None:
+    if chain is None:  # gone before the watch began
         _die([os.getpid()], ancestor)
     top = chain[-1]
 

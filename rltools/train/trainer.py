@@ -130,23 +130,24 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def _probe_pack(self, token_ids: list[int]):
-        """`token_ids` as one sample: its first token the prompt, the rest the completion scored."""
+    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """The policy's log-probability of each of `token_ids` after the ones before it, at temperature
+        1 (what vLLM's prompt logprobs are): len(token_ids) - 1 values; None on a rank that computes
+        no logits (`_score`). A collective of the trainers."""
         sample = Sample(prompt_ids=token_ids[:1], completion_ids=token_ids[1:], completion_logprobs=[0.0] * (len(token_ids) - 1),
                         reward=0.0, group_id=0, sample_index=0, finish_reason=FinishReason.STOP)
-        return pack(RolloutBatch.from_samples([sample], policy_version=0), np.arange(1), self.pad_id, self.device)
-
-    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        """The policy's log-probability of each of `token_ids` after the ones before it, at temperature
-        1 (what vLLM's prompt logprobs are): len(token_ids) - 1 values. A collective of the trainers."""
-        packed = self._probe_pack(token_ids)
+        packed = pack(RolloutBatch.from_samples([sample], policy_version=0), np.arange(1), self.pad_id, self.device)
         self.model.eval()
         temperature, self.temperature = self.temperature, 1.0
         try:
-            logprobs = self._logprobs(packed)[0]
+            logprobs = self._score(packed)
         finally:
             self.temperature = temperature
-        return logprobs[0, : len(token_ids) - 1].float().cpu().tolist()
+        return None if logprobs is None else logprobs[0, : len(token_ids) - 1].float().cpu().tolist()
+
+    def _score(self, packed) -> torch.Tensor | None:
+        """The completion logprobs [B, steps] of one packed micro batch, forward only."""
+        return self._logprobs(packed)[0]
 
     def _mean_tokens(self, batch: RolloutBatch, samples: np.ndarray) -> float:
         """Completion tokens per sample in `samples` that enter the loss (the "token" aggregation's budget)."""

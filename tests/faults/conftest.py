@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from rltools.runtime.lifeline import proc_stat
+
 # Short and cheap: 16 held-out problems, evaluated only before and after training.
 FAST = ["eval.problems=16", "schedule.eval_every=0", "schedule.checkpoint_every=5"]
 
@@ -103,13 +105,13 @@ def session_members(sessions: set[int]) -> list[str]:
     leader, and vLLM's engine-core process and workers stay in the generator's session."""
     found = []
     for proc in Path("/proc").iterdir():
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[3]) in sessions:
+        fields = proc_stat(int(proc.name)) if proc.name.isdigit() else None
+        if fields and fields[0] != "Z" and int(fields[3]) in sessions:
+            try:
                 command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                found.append(f"{proc.name} {command.strip()}")
-        except (OSError, ValueError, IndexError):
-            continue
+            except OSError:  # it ended meanwhile
+                continue
+            found.append(f"{proc.name} {command.strip()}")
     return found
 
 

@@ -114,7 +114,7 @@ def test_kill_9_of_the_launcher_takes_its_roles_down(run):
     current = launch(run)
     current.wait_for_output(f"step {len(steps(run['dir'])) + 2}/{TOTAL}")
     sessions = set(role_pids(run["dir"]).values())
-    assert session_members(sessions) and any("VLLM::EngineCore" in p for p in session_members(sessions))
+    assert any("VLLM::EngineCore" in p for p in session_members(sessions)), session_members(sessions)
     kill(current.proc.pid)
     wait_gone(run["dir"], timeout=120)  # PR_SET_PDEATHSIG: each role got SIGTERM
     wait_session_gone(sessions)  # the generator leaves with os._exit: vLLM's processes die with it (lifeline)

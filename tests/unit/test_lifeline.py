@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from rltools.runtime.lifeline import chain_to, die_with, parent_of
+from rltools.runtime.lifeline import chain_to, die_with, proc_stat
 
 # A process that starts a child that starts a grandchild; the grandchild dies with the first process
 # (the generator -> engine core -> worker of vLLM). Each prints its pid.
@@ -26,7 +26,8 @@ time.sleep(120)
 
 
 def alive(pid: int) -> bool:
-    return parent_of(pid) is not None and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie has exited
 
 
 def test_the_processes_between_a_killed_ancestor_and_the_watcher_die_within_a_second():

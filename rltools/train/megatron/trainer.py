@@ -74,21 +74,16 @@ class MegatronTrainer(Trainer):
             forward_only=forward_only, collect_non_loss_data=forward_only,
         )
 
-    @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        """The Trainer's probe (`runtime.probe`), scored by the forward-only schedule of the KL
-        reference pass: the last pipeline stage computes it, every stage returns it (collective of
-        the model's ranks; the TP ranks of a stage compute the same values)."""
-        packed = self._probe_pack(token_ids)
-        self.model.eval()
-        temperature, self.temperature = self.temperature, 1.0
-        try:
-            outputs = self._schedule([packed], lambda i, logits: self._completion_logprobs(packed, logits)[0],
-                                     forward_only=True)
-        finally:
-            self.temperature = temperature
-        scored = outputs[0][0, : len(token_ids) - 1].float().cpu().tolist() if outputs else None
-        return from_last_stage(scored)
+        """The Trainer's probe (`runtime.probe`): the last pipeline stage scores it, every stage
+        returns it (collective of the model's ranks; the TP ranks of a stage compute the same values)."""
+        return from_last_stage(super().probe_logprobs(token_ids))
+
+    def _score(self, packed) -> torch.Tensor | None:
+        """By the forward-only schedule of the KL reference pass; None before the last stage."""
+        outputs = self._schedule([packed], lambda i, logits: self._completion_logprobs(packed, logits)[0],
+                                 forward_only=True)
+        return outputs[0] if outputs else None
 
     def _completion_logprobs(self, packed, logits: torch.Tensor, with_entropy: bool = False):
         width, steps = packed.prompt_ids.shape[1], packed.completion_ids.shape[1]
