@@ -8,6 +8,8 @@ no longer existed (measured: >30 s, until a deadline). `die_with(pid)`, called i
 watches the generator and then kills the processes between the two (the engine core) and the
 worker itself; vLLM's own death pipe takes the other TP workers down with the engine core.
 
+`children_of` and `wait_ended` serve the sandbox too, which waits for its processes to end.
+
 Invariant: only the processes on the parent chain from the caller up to `pid` are killed, never
 `pid` itself or anything outside that chain.
 """
@@ -37,6 +39,32 @@ def parent_of(pid: int) -> int | None:
     """The parent pid of `pid`, None when it is gone."""
     fields = proc_stat(pid)
     return int(fields[1]) if fields else None
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is `pid`: from /proc/PID/task/PID/children, or a scan of /proc on a
+    kernel without that file."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listing:
+            return [int(child) for child in listing.read().split()]
+    except FileNotFoundError:
+        if not os.path.exists(f"/proc/{pid}"):
+            return []
+    children = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and parent_of(int(entry.name)) == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def wait_ended(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until each of `pids` has exited (gone, or a zombie nobody reaps); returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [pid for pid in pids if (proc_stat(pid) or ["Z"])[0] not in ("Z", "X")]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.01)
 
 
 def chain_to(ancestor: int) -> list[int] | None:

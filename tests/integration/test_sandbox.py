@@ -125,7 +125,7 @@ def test_a_fork_bomb_is_contained():
     thread.join()
     assert result[0].timed_out and result[0].wall_s < 4, result
     assert 10 < max(counts) <= limits.processes, counts  # it did fork, and only up to the limit
-    time.sleep(0.2)
+    # run_code returns once the sandbox is empty: no grace period (a slow CI host had all 32 left 0.2 s on)
     assert _bomb_processes() == [], "bomb processes outlived the sandbox"
 
 

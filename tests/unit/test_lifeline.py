@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from rltools.runtime.lifeline import chain_to, die_with, proc_stat
+from rltools.runtime.lifeline import chain_to, children_of, die_with, proc_stat, wait_ended
 
 # A process that starts a child that starts a grandchild; the grandchild dies with the first process
 # (the generator -> engine core -> worker of vLLM). Each prints its pid.
@@ -60,3 +60,21 @@ def test_the_chain_runs_from_this_process_up_to_the_ancestor():
     assert chain_to(os.getppid()) == [os.getpid()]
     assert chain_to(2**22 + 7) is None  # not an ancestor
     assert die_with(os.getpid()) is False  # the one-process engine: nothing to watch
+
+
+def test_children_are_listed_and_their_end_is_awaited():
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               "kids = [subprocess.Popen(['sleep', '60']) for _ in range(2)]\n"
+                               "print(*[k.pid for k in kids], flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        kids = [int(pid) for pid in parent.stdout.readline().split()]
+        assert sorted(children_of(parent.pid)) == sorted(kids)
+        assert wait_ended(kids, timeout_s=0.1) == kids  # still running at the deadline
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+        assert wait_ended(kids, timeout_s=5) == []  # ended (zombies: their parent has not reaped them)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert children_of(parent.pid) == []  # gone
