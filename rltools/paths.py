@@ -187,6 +187,11 @@ class RunPaths:
         return self.root / "weight_sync.json"
 
     @property
+    def fleet(self) -> Path:
+        """The generator fleet: live engines, which engine generates each slot of a step, losses (`runtime.fleet`)."""
+        return self.root / "fleet.json"
+
+    @property
     def trainer_address(self) -> Path:
         """Where trainer rank 0 publishes the trainers' own process-group store."""
         return self.root / "trainer_group.json"

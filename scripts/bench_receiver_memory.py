@@ -88,7 +88,7 @@ def main() -> dict:
                             FullWeights(model.path, LoraConfig()))
         sender = multiprocessing.get_context("spawn").Process(target=send, args=(str(paths.root), model.path))
         sender.start()
-        engine.join_weight_sync(paths, 1, 2, "bench", "gloo")
+        engine.join_weight_sync(paths, 1, 1, "bench", "gloo")
         before = status_kib("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
         version, seconds = engine.receive_weights(paths, 1)

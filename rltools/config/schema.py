@@ -179,6 +179,13 @@ class GeneratorConfig(Section):
     sync_timeout_s: float = Field(1800.0, gt=0)
     """Deadline for one weight-sync collective, including waiting for the peer to reach it
     (a generator finishing its current step, a trainer finishing its update)."""
+    heartbeat_timeout_s: float = Field(60.0, gt=0)
+    """An engine silent this long (each generator process beats every second to trainer rank 0) is
+    lost: its prompts go to the other engines and the weight-sync group is formed again without it.
+    Also how long a failed weight sync waits for an engine to come back."""
+    min_engines: int = Field(1, ge=1)
+    """Fewest live engines the run goes on with; below it the run stops at a checkpoint and requeues
+    itself as on preemption (cluster.requeue)."""
     max_logprob_gap: float = Field(0.1, ge=0)
     """After each weight sync every engine scores a fixed probe sequence and compares its
     log-probabilities with the trainer's (metric `logprob_gap`: the mean absolute difference); above
@@ -301,6 +308,14 @@ class RLConfig(Section):
         if a.mini_batches > per_rank:
             raise ValueError(f"algorithm.mini_batches {a.mini_batches} exceeds the {per_rank} samples each trainer rank "
                              "gets a step (schedule.prompts_per_step x group_size / trainer tasks)")
+        return self
+
+    @model_validator(mode="after")
+    def _fleet_fits(self):
+        engines = self.cluster.generators.ntasks
+        if self.generator.min_engines > engines:
+            raise ValueError(f"generator.min_engines {self.generator.min_engines} exceeds the {engines} generator "
+                             "engine(s) configured (cluster.generators: nodes x ntasks_per_node)")
         return self
 
     @model_validator(mode="after")

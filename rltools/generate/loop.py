@@ -2,9 +2,14 @@
 
 Reads top to bottom. Staleness: step k may be generated with policy version v only while
 k - v <= schedule.max_staleness (0 = on-policy; 1 = generate step k+1 while step k trains). Every
-broadcast of the trainer is received exactly once, in order, including the final one, after which
-generator rank 0 evaluates the trained policy. Rewards are scored per step in one batch (pooled
+broadcast of the trainer is received once, in order, including the final one, after which the
+first live engine evaluates the trained policy. Rewards are scored per step in one batch (pooled
 verifiers score it in parallel worker processes, each call under reward.timeout_s).
+
+The fleet (`runtime.fleet`): each engine generates the slots of each step that fleet.json assigns
+to it, its own slot while it is live, and after the loss of another engine the slots it was given
+of every untrained step, including steps it has already passed. When the weight-sync group breaks
+(trainer rank 0 lost an engine or one joins) it joins the group's next generation and goes on.
 """
 
 import json
@@ -22,6 +27,7 @@ from ..paths import RunPaths
 from ..rollout import FinishReason, RolloutBatch, RolloutStore, Sample
 from ..runtime import faults
 from ..runtime.preempt import generator_signals
+from ..runtime.fleet import FleetRecord, Heartbeat
 from ..runtime.probe import probe_gap, read_probe
 from ..runtime.role_env import RoleEnv
 from ..runtime.roles import (
@@ -30,10 +36,9 @@ from ..runtime.roles import (
     prompt_share,
     sync_backend,
     sync_rank_base,
-    sync_world_size,
 )
 from ..weight_formats import weight_format
-from .vllm_engine import VLLMEngine, request_seed
+from .vllm_engine import GroupBroken, GroupDropped, VLLMEngine, request_seed
 
 log = logging.getLogger("rltools.generator")
 
@@ -53,41 +58,101 @@ def run_generator(run_dir: str) -> None:
 def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config),
                         routing_replay=config.algorithm.routing_replay)
-    engine.join_weight_sync(
-        paths, sync_rank_base(config, env.rank), sync_world_size(config), env.attempt, sync_backend()
-    )
+    workers = config.cluster.generators.ntasks * config.generator.tensor_parallel_size
+    engine.join_weight_sync(paths, sync_rank_base(config, env.rank), workers, env.attempt, sync_backend())
+    Heartbeat(paths, env.attempt, env.rank, config.generator.sync_timeout_s)  # trainer rank 0 sees this engine live
     store = RolloutStore(paths, paths.read_run_id())
     schedule = config.schedule
     # Joined: trainer rank 0 has resumed (checkpoint loaded, unusable shards deleted) before hosting.
     start = paths.latest_checkpoint()
+    weights = Weights(engine, task, config, paths, version=start - 1 if start else 0)
     if start:
-        version, seconds = engine.receive_weights(paths, start)  # the checkpoint's policy, before any sampling
-        gap = probe(engine, paths, version)
-        log.info("resumed at step %d: policy version %d loaded in %.3f s, logprob gap to the trainer %.2e", start,
-                 version, seconds, gap)
-    else:
-        version = 0
-        if env.rank == 0:
-            record_eval(paths, evaluate(engine, task, config), version)
-    for step in range(start, schedule.steps):
-        while step - version > schedule.max_staleness:
-            version = receive(engine, task, config, paths, env, version)
-        if paths.rollout_shard(step, env.rank).exists():
-            log.info("step %d: shard kept from before the restart", step)
+        weights.receive(with_eval=False)  # the checkpoint's policy, before any sampling
+    elif engine.writes_files:  # the first engine evaluates
+        record_eval(paths, evaluate(engine, task, config), 0)
+    step = start
+    while True:
+        if weights.dirty:  # part of a message loaded before the group broke: the resend comes first
+            weights.receive()
             continue
-        faults.point("generator.sample", step)
-        share = list(prompt_share(config, env.rank))
-        start = time.perf_counter()
-        groups = sample_groups(engine, task, config, step, 0, share, task.train_problems(step, schedule.prompts_per_step))
-        drawn = len(share)
-        if config.algorithm.dynamic_sampling:
-            groups, drawn = replace_uniform_groups(engine, task, config, step, share, groups)
-        batch = RolloutBatch.from_samples([sample for group in groups for sample in group], policy_version=version,
-                                          generation_seconds=time.perf_counter() - start, prompts_drawn=drawn)
-        store.write(step, env.rank, batch)
-        log.info("step %d: %d samples, policy version %d, reward %.3f", step, len(batch), version, batch.rewards.mean())
-    while version < schedule.steps:  # the trainer's last broadcasts: the final weights
-        version = receive(engine, task, config, paths, env, version)
+        if step < schedule.steps:
+            todo = work(FleetRecord.read(paths) or FleetRecord.start(config.cluster.generators.ntasks), env.rank, step, paths)
+            if not todo:
+                step += 1
+                continue
+            at, slot = todo[0]
+            if at - weights.version > schedule.max_staleness:
+                weights.receive()
+                continue
+            generate_slot(engine, task, config, store, at, slot, weights.version, own=slot == env.rank)
+            continue
+        if weights.version >= schedule.steps:
+            break
+        weights.receive()  # the trainer's last broadcasts: the final weights
+
+
+def work(record: FleetRecord, engine: int, step: int, paths: RunPaths) -> list[tuple[int, int]]:
+    """(step, slot) this engine still has to generate, in order: slots a lost engine left of steps
+    before `step` (since the assignment began: earlier steps are trained), then `step`'s own."""
+    since = min(record.assignments[-1][0], step)
+    return [(at, slot) for at in range(since, step + 1) for slot in record.mine(engine, at)
+            if not paths.rollout_shard(at, slot).exists()]
+
+
+def generate_slot(engine: VLLMEngine, task, config, store: RolloutStore, step: int, slot: int, version: int,
+                  own: bool) -> None:
+    """Generate and write slot `slot` of step `step` (its prompts: `roles.prompt_share`)."""
+    faults.point("generator.sample", step)
+    schedule = config.schedule
+    share = list(prompt_share(config, slot))
+    start = time.perf_counter()
+    groups = sample_groups(engine, task, config, step, 0, share, task.train_problems(step, schedule.prompts_per_step))
+    drawn = len(share)
+    if config.algorithm.dynamic_sampling:
+        groups, drawn = replace_uniform_groups(engine, task, config, step, share, groups)
+    batch = RolloutBatch.from_samples([sample for group in groups for sample in group], policy_version=version,
+                                      generation_seconds=time.perf_counter() - start, prompts_drawn=drawn)
+    store.write(step, slot, batch)
+    whose = "" if own else f" (slot {slot}, for a lost engine)"
+    log.info("step %d: %d samples%s, policy version %d, reward %.3f", step, len(batch), whose, version,
+             batch.rewards.mean())
+
+
+class Weights:
+    """This engine's policy version and its weight-sync membership: `receive` loads the next version,
+    and when the group broke (trainer rank 0 lost an engine, or one joins) joins its next generation."""
+
+    def __init__(self, engine: VLLMEngine, task, config, paths: RunPaths, version: int):
+        self.engine, self.task, self.config, self.paths = engine, task, config, paths
+        self.version = version
+        self.dirty = False
+        """A message broke off after part of it was loaded (full, adapted): sample nothing before the next."""
+
+    def receive(self, with_eval: bool = True) -> None:
+        engine = self.engine
+        try:
+            version, seconds = engine.receive_weights(self.paths, self.version + 1)
+        except GroupBroken as err:
+            self.dirty = self.dirty or err.dirty
+            self._rejoin(err)
+            return
+        self.dirty, self.version = False, version
+        try:
+            gap = probe(engine, self.paths, version)
+        except GroupBroken as err:  # the version is loaded; only the probe's figure is lost
+            self._rejoin(err)
+            return
+        log.info("policy version %d loaded in %.3f s, logprob gap to the trainer %.2e", version, seconds, gap)
+        if with_eval and engine.writes_files and eval_due(self.config, version):  # the first engine evaluates
+            record_eval(self.paths, evaluate(engine, self.task, self.config), version)
+
+    def _rejoin(self, err: GroupBroken) -> None:
+        log.warning("the weight-sync group broke (%s): joining its next generation", err)
+        try:
+            generation = self.engine.rejoin_weight_sync()
+        except GroupDropped as dropped:
+            raise RuntimeError(f"this generator left the run: {dropped}") from None
+        log.info("joined weight-sync generation %d", generation)
 
 
 def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share: list[int], problems) -> list[list[Sample]]:
@@ -132,15 +197,6 @@ def replace_uniform_groups(engine: VLLMEngine, task, config, step: int, share: l
     log.info("step %d: dynamic sampling drew %d prompts for %d groups, %d of them informative", step, drawn,
              len(share), min(len(informative), len(share)))
     return kept, drawn
-
-
-def receive(engine: VLLMEngine, task, config, paths: RunPaths, env: RoleEnv, version: int) -> int:
-    new_version, seconds = engine.receive_weights(paths, version + 1)
-    gap = probe(engine, paths, new_version)
-    log.info("policy version %d loaded in %.3f s, logprob gap to the trainer %.2e", new_version, seconds, gap)
-    if env.rank == 0 and eval_due(config, new_version):
-        record_eval(paths, evaluate(engine, task, config), new_version)
-    return new_version
 
 
 def probe(engine: VLLMEngine, paths: RunPaths, version: int) -> float:

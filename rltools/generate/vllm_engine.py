@@ -290,34 +290,68 @@ class VLLMEngine:
         self.llm.collective_rpc("rltools_load_weights", args=(str(file),))
         self.llm.reset_prefix_cache()
 
-    def join_weight_sync(self, paths: RunPaths, first_rank: int, world_size: int, attempt: str, backend: str) -> None:
-        self.writes_files = first_rank == 1
-        self.llm.collective_rpc(
+    def join_weight_sync(self, paths: RunPaths, first_rank: int, workers: int, attempt: str, backend: str) -> int:
+        """Join the weight-sync group (every worker of this engine); returns the group's generation."""
+        answers = self.llm.collective_rpc(
             "rltools_join_sync",
-            args=(str(paths.root), first_rank, world_size, attempt, backend, self.config.sync_timeout_s,
+            args=(str(paths.root), first_rank, workers, attempt, backend, self.config.sync_timeout_s,
                   self.format.to_plain()),
         )
+        return self._joined(answers)
+
+    def rejoin_weight_sync(self) -> int:
+        """Join the group's next generation after it broke; GroupDropped when the trainer formed it
+        without this engine. Returns the generation."""
+        answers = self.llm.collective_rpc("rltools_rejoin")
+        dropped = [answer[1] for answer in answers if answer[0] == "dropped"]
+        if dropped:
+            raise GroupDropped(dropped[0])
+        return self._joined(answers)
+
+    def _joined(self, answers: list) -> int:
+        self.writes_files = min(rank for _, rank in answers) == 1
+        generations = {generation for generation, _ in answers}
+        if len(generations) != 1:
+            raise RuntimeError(f"vLLM workers joined different weight-sync generations {sorted(generations)}")
+        self.generation = generations.pop()
+        return self.generation
 
     def receive_weights(self, paths: RunPaths, next_version: int) -> tuple[int, float]:
-        """Block until trainer rank 0 broadcasts new weights; load them. Returns (version, seconds)."""
+        """Block until trainer rank 0 broadcasts new weights; load them. Returns (version, seconds);
+        GroupBroken when the weight-sync group broke meanwhile (a peer lost)."""
         start = time.perf_counter()
-        adapter = paths.adapter_dir(next_version)
-        answers = {tuple(answer) for answer in
-                   self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s, str(adapter)))}
+        answers = self.llm.collective_rpc("rltools_receive_weights", args=(self.config.sync_timeout_s, str(paths.root)))
+        broken = [answer for answer in answers if answer[0] == "broken"]
+        if broken:
+            raise GroupBroken(broken[0][1], dirty=any(answer[2] for answer in broken))
+        answers = {tuple(answer) for answer in answers}
         if len(answers) != 1:
             raise RuntimeError(f"vLLM workers loaded different policy versions {sorted(answers)}")
         version, _ = answers.pop()
-        if version != next_version:
-            raise RuntimeError(f"expected policy version {next_version} from trainer rank 0, received {version}")
+        if version < next_version:
+            raise RuntimeError(f"expected policy version {next_version} or newer from trainer rank 0, received {version}")
         self.format.serve(self, paths.adapter_dir(version), version)
         self.llm.reset_prefix_cache()
         return version, time.perf_counter() - start
 
-
     def report_gap(self, gap: float, version: int) -> None:
         """Every worker tells trainer rank 0 the logprob gap measured under `version` (a collective of
-        the weight-sync group, right after `receive_weights`)."""
-        self.llm.collective_rpc("rltools_report_gap", args=(float(gap), version))
+        the weight-sync group, right after `receive_weights`); GroupBroken when it broke meanwhile."""
+        if not all(self.llm.collective_rpc("rltools_report_gap", args=(float(gap), version))):
+            raise GroupBroken(f"the weight-sync group broke during the probe of version {version}", dirty=False)
+
+
+class GroupBroken(RuntimeError):
+    """The weight-sync group broke (trainer rank 0 lost an engine, or one joins); `dirty`: part of a
+    full/adapted message was already loaded, so the engine must not sample before the next one."""
+
+    def __init__(self, why: str, dirty: bool):
+        super().__init__(why)
+        self.dirty = dirty
+
+
+class GroupDropped(RuntimeError):
+    """Trainer rank 0 formed the next generation of the group without this engine."""
 
 
 def reload_weights(worker, tensors) -> None:

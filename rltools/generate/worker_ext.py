@@ -5,8 +5,6 @@ each joins the weight-sync group itself and loads what it receives; the generato
 orchestrates. With the in-process CPU engine the "worker" is in the generator's own process.
 """
 
-from pathlib import Path
-
 import torch
 
 from ..paths import RunPaths
@@ -24,47 +22,88 @@ class WeightSyncExtension:
         return die_with(generator_pid)
 
     def rltools_join_sync(
-        self, run_dir: str, first_rank: int, world_size: int, attempt: str, backend: str, timeout_s: float,
+        self, run_dir: str, first_rank: int, workers: int, attempt: str, backend: str, timeout_s: float,
         weight_format: dict,
-    ) -> int:
-        """Join the weight-sync group as sync rank first_rank + this worker's TP rank, to receive weights
-        of the format `weight_format` describes (`WeightFormat.to_plain`); returns that rank."""
+    ) -> list:
+        """Join the weight-sync group as worker id first_rank + this worker's TP rank, to receive weights
+        of the format `weight_format` describes (`WeightFormat.to_plain`); returns [generation, sync rank]."""
         from ..weight_formats import format_from_plain
-        from ..weight_sync import SyncOptions, WeightReceiver, join_group
+        from ..weight_sync import SyncOptions, WeightReceiver
+        from ..weight_sync.rendezvous import SyncMember
 
-        rank = first_rank + self.rank
         options = SyncOptions(backend=backend, join_timeout_s=timeout_s, collective_timeout_s=timeout_s)
         device = self.device if backend == "nccl" else None
-        group = join_group(RunPaths(run_dir), rank=rank, world_size=world_size, attempt=attempt, options=options, device=device)
+        self._rltools_member = SyncMember(RunPaths(run_dir), worker=first_rank + self.rank, workers=workers,
+                                          attempt=attempt, options=options, device=device)
+        group = self._rltools_member.join()
         self._rltools_receiver = WeightReceiver(group)
         self._rltools_format = format_from_plain(weight_format)
-        self._rltools_sync_rank = rank
-        return rank
+        return [group.generation, group.rank]
+
+    def rltools_rejoin(self) -> list:
+        """After the group broke (a peer was lost, or one joins): join its next generation, keeping the
+        last version applied. Returns [generation, sync rank], or ["dropped", why] when the trainer
+        formed it without this worker."""
+        from ..weight_sync import WeightReceiver
+        from ..weight_sync.rendezvous import Dropped
+
+        old = self._rltools_receiver
+        try:
+            group = self._rltools_member.join(after=old.group.generation)
+        except Dropped as err:
+            return ["dropped", str(err)]
+        self._rltools_receiver = WeightReceiver(group, last_version=old.last_version)
+        return [group.generation, group.rank]
 
     @property
     def rltools_writes_files(self) -> bool:
         """Whether this worker writes what a sync puts on the shared filesystem (a PEFT adapter): one
-        writer for every engine, the first generator worker (sync rank 1)."""
-        return self._rltools_sync_rank == 1
+        writer for every engine, the first generator worker (sync rank 1) of the group's generation."""
+        return self._rltools_receiver.group.rank == 1
 
-    def rltools_receive_weights(self, timeout_s: float, adapter_dir: str) -> list:
+    def rltools_receive_weights(self, timeout_s: float, run_dir: str) -> list:
         """Receive one weight message from trainer rank 0 and apply it as its format says (full,
         adapted: streamed into the served layers in place; lora: written as a PEFT adapter under
-        `adapter_dir`, which the engine then serves), all before acknowledging it, so a failure
-        reaches the trainer; returns [policy version, kind]."""
-        fmt = self._rltools_format
-        with self._rltools_receiver.message(timeout_s) as message:
-            if message.kind != fmt.name:
-                raise RuntimeError(f"trainer rank 0 sent {message.kind} weights; this generator serves {fmt.name} "
-                                   "(generator.weight_sync differs between the roles' configs)")
+        the run's adapter directory of its version, which the engine then serves), all before acknowledging it, so a failure
+        reaches the trainer; returns [policy version, kind], or ["broken", why, whether any weight of
+        it was applied] when the group broke (a peer lost: join its next generation, `rltools_rejoin`)."""
+        from ..runtime import faults
+        from ..weight_sync import WeightSyncError
+
+        fmt, receiver, applied = self._rltools_format, self._rltools_receiver, []
+
+        def copies(message):
             # The channel's views are valid only until the next piece: copy each as it is taken, so
             # the worker holds one layer's tensors at a time beside the model, never the message.
-            fmt.apply(self, ((name, tensor.clone()) for name, tensor in message.tensors()), Path(adapter_dir))
+            for name, tensor in message.tensors():
+                applied.append(name) if not applied else None
+                yield name, tensor.clone()
+
+        try:
+            with receiver.message(timeout_s) as message:
+                if message.kind != fmt.name:
+                    raise RuntimeError(f"trainer rank 0 sent {message.kind} weights; this generator serves {fmt.name} "
+                                       "(generator.weight_sync differs between the roles' configs)")
+                faults.point("generator.receive", message.version)
+                fmt.apply(self, copies(message), RunPaths(run_dir).adapter_dir(message.version))
+        except WeightSyncError as err:
+            if receiver.usable:
+                raise  # the group is fine: this worker (or another) could not apply the version
+            return ["broken", str(err), bool(applied) and fmt.dense]
         return [message.version, message.kind]
 
-    def rltools_report_gap(self, gap: float, version: int) -> None:
-        """Tell trainer rank 0 the engine's logprob gap to it under `version` (`runtime.probe`)."""
-        self._rltools_receiver.report_gap(gap, version)
+    def rltools_report_gap(self, gap: float, version: int) -> bool:
+        """Tell trainer rank 0 the engine's logprob gap to it under `version` (`runtime.probe`);
+        False when the group broke meanwhile."""
+        from ..weight_sync import WeightSyncError
+
+        try:
+            self._rltools_receiver.report_gap(gap, version)
+        except WeightSyncError:
+            if self._rltools_receiver.usable:
+                raise
+            return False
+        return True
 
     def rltools_reload(self, tensors) -> None:
         """Load checkpoint-named tensors (an iterable of (name, tensor), consumed as it is read) into

@@ -83,9 +83,24 @@ def _terminate(signum, frame) -> None:
 
 
 def _supervise(children: list[dict], paths: RunPaths, progress: Display) -> int:
+    """Until the trainer ends. A generator that fails while another one runs is the trainer's to
+    handle (it goes on with the other engines: `train.fleet`); the last one failing stops the run."""
+    trainers = [c for c in children if c["role"] == "trainer"]
+    generators = [c for c in children if c["role"] == "generator"]
+    lost: set[str] = set()
     while True:
         progress.update()
-        ended = [c for c in children if c["proc"].poll() not in (None, 0)]
+        running = [g for g in generators if g["proc"].poll() is None]
+        for child in generators:
+            if child["proc"].poll() not in (None, 0) and child["name"] not in lost:
+                lost.add(child["name"])
+                if running:
+                    _say(f"\n{child['name']} failed (exit {child['proc'].returncode}); the run goes on with the "
+                         f"other engines. The end of its log {child['log']}:")
+                    _say(_tail(child["log"], lines=8))
+        ended = [t for t in trainers if t["proc"].poll() not in (None, 0)]
+        if not ended and not running and any(t["proc"].poll() is None for t in trainers):
+            ended = [g for g in generators if g["name"] in lost]  # every engine is gone
         if ended:
             stop(children)
             child = ended[0]
@@ -93,13 +108,13 @@ def _supervise(children: list[dict], paths: RunPaths, progress: Display) -> int:
                 progress.update()
                 done = paths.latest_checkpoint()
                 when = f"with a checkpoint of {done} steps" if done else "before its first step"
-                _say(f"\nthe trainer stopped on a signal {when}; continue with: rltools resume {paths.root}")
+                _say(f"\nthe trainer stopped {when} (its log says why); continue with: rltools resume {paths.root}")
                 return EXIT_STOPPED
             _say(f"\n{child['name']} failed (exit {child['proc'].returncode}); its log {child['log']}:")
             _say(_tail(child["log"]))
             _say(_disk_note(paths))
             return 1
-        if all(c["proc"].poll() == 0 for c in children):
+        if all(t["proc"].poll() == 0 for t in trainers) and not running:
             progress.update()
             progress.finish()
             return 0

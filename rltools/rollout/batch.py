@@ -73,6 +73,7 @@ class RolloutBatch:
     turns: np.ndarray | None = None  # int16 [n] model turns of each episode
     tool_calls: np.ndarray | None = None  # int16 [n]
     tool_errors: np.ndarray | None = None  # int16 [n] calls that failed
+    slot_sizes: tuple[int, ...] = ()  # samples of each joined shard, in slot order (`concat`); not stored
 
     DTYPES = {
         "prompt_ids": np.int32,
@@ -207,10 +208,11 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
-        """Join batches (e.g. one per generator rank); they must share a policy version."""
-        versions = {b.policy_version for b in batches}
-        if len(versions) != 1:
-            raise ValueError(f"cannot concatenate rollouts of policy versions {sorted(versions)}")
+        """Join batches (one per slot of a step). Slots an engine generated for a lost one may carry
+        another policy version: the joined batch carries the oldest (the staleness bound holds for
+        every sample; each sample's own logprobs correct for its policy)."""
+        if not batches:
+            raise ValueError("no rollouts to concatenate")
         joined = {}
         names = [*cls.DTYPES, *(("routed_experts", "routed_offsets") if all(b.routed_experts is not None for b in batches)
                                 else ()), *(EPISODE if all(b.completion_mask is not None for b in batches) else ())]
@@ -223,6 +225,7 @@ class RolloutBatch:
                 joined[name] = np.concatenate([getattr(b, name) for b in batches])
         texts = None if any(b.texts is None for b in batches) else sum((b.texts for b in batches), ())
         seconds = max((b.generation_seconds for b in batches), default=0.0)  # ranks generate in parallel
-        return cls(**joined, policy_version=versions.pop(), texts=texts, generation_seconds=seconds,
-                   prompts_drawn=sum(b.prompts_drawn for b in batches))
+        return cls(**joined, policy_version=min(b.policy_version for b in batches), texts=texts,
+                   generation_seconds=seconds, prompts_drawn=sum(b.prompts_drawn for b in batches),
+                   slot_sizes=tuple(len(b) for b in batches))
 

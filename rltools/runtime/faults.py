@@ -1,11 +1,13 @@
 """Fault injection at named points of the roles, for the `faults` test tier (tests/faults/).
 
-`RLTOOLS_FAULT` names where and what, comma-separated: `POINT[@STEP]=ACTION`, e.g.
-`trainer.checkpoint@5=kill` (the trainer SIGKILLs itself while writing the checkpoint of step 5)
+`RLTOOLS_FAULT` names where and what, comma-separated: `POINT[@STEP][/RANK]=ACTION`, e.g.
+`trainer.checkpoint@5=kill` (the trainer SIGKILLs itself while writing the checkpoint of step 5),
+`generator.sample@3/1=kill` (only generator rank 1 dies, as it starts a slot of step 3)
 or `trainer.start=signal:USR2` (it sends itself the preemption warning while starting up, as
 `scancel --signal=USR2` would). Actions: `kill` (SIGKILL), `signal:NAME` (the process signals
 itself; its handler runs as for a signal from outside). Points: `<role>.start` (before any slow
-import), `generator.sample@k`, `trainer.train@k`, `trainer.sync@k` (broadcasting version k),
+import), `generator.sample@k` (starting a slot of step k), `generator.receive@k` (in a vLLM
+worker: version k's metadata received, its tensors not), `trainer.train@k`, `trainer.sync@k` (broadcasting version k),
 `trainer.checkpoint@k` (the checkpoint's files written, its marker not yet).
 
 Invariant: unset, as in every real run, a point costs one empty-dict test; each fault fires at most
@@ -16,18 +18,21 @@ import os
 import signal
 
 
-def _parse(spec: str) -> dict[tuple[str, int | None], str]:
+def _parse(spec: str, rank: str | None) -> dict[tuple[str, int | None], str]:
+    """The faults planned for the task of rank `rank` (its role's RLTOOLS_RANK or SLURM_PROCID)."""
     faults = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         where, sep, action = item.partition("=")
+        where, _, only = where.partition("/")
         name, _, step = where.partition("@")
         if not sep or not name or not (action == "kill" or action.startswith("signal:")):
-            raise ValueError(f"RLTOOLS_FAULT item {item!r}: expected POINT[@STEP]=kill|signal:NAME")
-        faults[(name, int(step) if step else None)] = action
+            raise ValueError(f"RLTOOLS_FAULT item {item!r}: expected POINT[@STEP][/RANK]=kill|signal:NAME")
+        if not only or only == rank:
+            faults[(name, int(step) if step else None)] = action
     return faults
 
 
-_FAULTS = _parse(os.environ.get("RLTOOLS_FAULT", ""))
+_FAULTS = _parse(os.environ.get("RLTOOLS_FAULT", ""), os.environ.get("RLTOOLS_RANK", os.environ.get("SLURM_PROCID")))
 
 
 def point(name: str, step: int | None = None) -> None:

@@ -58,6 +58,7 @@ class StopFlag:
     def __init__(self, preempt_signal: str):
         self.warning = getattr(signal, f"SIG{preempt_signal}")
         self.received: str | None = None
+        self._requeue = False
         self.starting = True
         """Until the first step: SIGTERM then ends the process at once (nothing to checkpoint, and a
         trainer waiting for generators that will never join must not hold up the shutdown)."""
@@ -80,6 +81,13 @@ class StopFlag:
             log.warning("received %s: stopping at the next safe point to write a checkpoint", name)
         self.received = self.received or name
 
+    def request(self, reason: str, requeue: bool) -> None:
+        """A stop the trainer itself decides (too few generator engines left): handled as a signal,
+        requeued as after the warning when `requeue`."""
+        if self.received is None:
+            log.warning("stopping at the next safe point to write a checkpoint: %s", reason)
+            self.received, self._requeue = reason, requeue
+
     @property
     def requested(self) -> bool:
         return self.received is not None
@@ -87,6 +95,8 @@ class StopFlag:
     @property
     def is_warning(self) -> bool:
         """The preemption / time-limit warning, distinct from SIGTERM (which scancel sends too)."""
+        if self._requeue:
+            return True
         return self.warning != signal.SIGTERM and self.received == signal.Signals(self.warning).name
 
     def check(self) -> None:

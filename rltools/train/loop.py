@@ -29,6 +29,7 @@ from ..weight_sync import bound_store
 from . import checkpoints
 from .backend import Backend
 from .backends import build_backend
+from .fleet import Fleet, FleetTooSmall
 from .publish import Publisher
 
 log = logging.getLogger("rltools.trainer")
@@ -66,7 +67,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
         for step in range(done, schedule.steps):
             begin = time.perf_counter()
             batch = wait_for_rollouts(env, store, step, range(config.cluster.generators.ntasks),
-                                      schedule.rollout_timeout_s, stop)
+                                      schedule.rollout_timeout_s, stop, publisher.fleet)
             staleness = step - batch.policy_version
             if not 0 <= staleness <= schedule.max_staleness:
                 raise RuntimeError(f"step {step}: rollouts of policy version {batch.policy_version} exceed "
@@ -85,7 +86,10 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                 if export:
                     policy_exports.prune_full_exports(paths, config.eval.keep_full_exports)
                 tokens = int(batch.completion_offsets[-1])
+                fleet = publisher.fleet.record
+                reassigned = _reassigned_samples(fleet, step, batch)
                 append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
+                                       "engines": len(fleet.live), "reassigned_samples": reassigned,
                                        "prompts_drawn": batch.prompts_drawn,
                                        **({"logprob_gap": max(gaps), "logprob_gap_engines": gaps} if gaps else {}),
                                        "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
@@ -104,6 +108,12 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
     except Stopped as signal_name:
         return stop_at_checkpoint(env, paths, config, backend, done, str(signal_name), stop.is_warning)
     return 0
+
+
+def _reassigned_samples(fleet, step: int, batch: RolloutBatch) -> int:
+    """Samples of `step` generated for a slot by an engine other than its own (that engine was lost)."""
+    moved = [slot for slot, engine in enumerate(fleet.slots(step)) if engine != slot]
+    return sum(batch.slot_sizes[slot] for slot in moved) if moved else 0
 
 
 def _rate(tokens: int, batch: RolloutBatch) -> float:
@@ -139,17 +149,27 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
     return start
 
 
-def wait_for_rollouts(env: RoleEnv, store: RolloutStore, step: int, ranks, timeout_s: float, stop: StopFlag):
-    """Step `step`'s rollouts, or Stopped on every trainer rank when a stop signal arrived.
+def wait_for_rollouts(env: RoleEnv, store: RolloutStore, step: int, slots, timeout_s: float, stop: StopFlag,
+                      fleet: Fleet | None = None):
+    """Step `step`'s rollouts (a shard per slot), or Stopped on every trainer rank when a stop signal
+    arrived or too few generator engines are left.
 
-    Trainer rank 0 alone waits (and gives up the wait on a signal); then all ranks agree in one
-    collective whether to stop, so they stop at the same step even if the signal reached them apart."""
+    Trainer rank 0 alone waits (giving up on a signal, and handing a lost engine's slots to the
+    others: `fleet`); then all ranks agree in one collective whether to stop, so they stop at the
+    same step even if the signal reached them apart."""
     batches = None
     if env.rank == 0:
+        def check():
+            stop.check()
+            if fleet is not None:
+                fleet.check(step)
+
         try:
-            batches = store.wait(step, ranks, timeout_s, check=stop.check)
+            batches = store.wait(step, slots, timeout_s, check=check)
         except Stopped:
             pass
+        except FleetTooSmall as err:
+            stop.request(str(err), requeue=True)
     _agree_to_stop(stop, env)
     return RolloutBatch.concat(batches if batches is not None else store.wait(step, ranks, timeout_s))
 

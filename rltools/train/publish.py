@@ -1,7 +1,8 @@
 """Publishing policy versions from the trainers: the weight-sync broadcast and the policy exports.
 
 Invariant: every trainer rank takes part in each export (under FSDP2 or Megatron gathering the
-weights is a collective of the trainers); only trainer rank 0 hosts the weight-sync group, sends,
+weights is a collective of the trainers), also when a version is exported again because the fleet
+lost an engine mid-broadcast; only trainer rank 0 hosts the weight-sync group (`fleet`), sends,
 and writes a policy export while the tensors pass. A broadcast that fails because the generators
 left on a stop signal is not an error: the checkpoint written next holds that version.
 """
@@ -10,16 +11,20 @@ import logging
 import socket
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from ..paths import RunPaths
 from ..policy_exports import PolicyWriter
 from ..runtime import faults
-from ..runtime.preempt import StopFlag
+from ..runtime.preempt import StopFlag, Stopped
 from ..runtime.probe import check_gap, probe_tokens, write_probe
 from ..runtime.role_env import RoleEnv
-from ..runtime.roles import sync_backend, sync_world_size
+from ..runtime.roles import sync_backend
 from ..weight_formats import weight_format
 from ..weight_sync import TensorStream, WeightSyncError
 from .backend import Backend
+from .fleet import Fleet, FleetTooSmall
 
 log = logging.getLogger("rltools.trainer")
 
@@ -30,43 +35,68 @@ class Publisher:
         self.format = weight_format(config)
         self.paths = paths
         self.probe = probe_tokens(_tokenizer(config.model.path))
-        self.tp = config.generator.tensor_parallel_size
         # Generators join only now (after the resume): they never see shards or checkpoints in flux.
-        self.sender = host_weight_sync(env, paths, config) if env.rank == 0 else None
+        self.fleet = host_fleet(env, paths, config, stop) if env.rank == 0 else None
 
     def send(self, version: int, export_to: Path | None = None) -> tuple[float, list[float] | None]:
         """Broadcast `version`'s weights (collective over the trainer ranks); with `export_to`, rank 0
         also writes them there as a policy export while they pass. Returns the seconds rank 0 waited
         for the generators to take them (a generator evaluating makes it wait) and the logprob gap
-        each engine measured under it (`runtime.probe`); (0, None) on other ranks. A gap beyond
-        generator.max_logprob_gap stops the run (RuntimeError naming it)."""
+        each live engine measured under it (`runtime.probe`); (0, None) on other ranks. A gap beyond
+        generator.max_logprob_gap stops the run (RuntimeError naming it). When the fleet lost an
+        engine during the broadcast, every trainer rank exports the weights again and rank 0 sends
+        them to the re-formed group; fewer engines than generator.min_engines stop the run at a
+        checkpoint (Stopped on every rank)."""
         faults.point("trainer.sync", version)
         probe = self.backend.trainer.probe_logprobs(self.probe)  # every rank: a forward pass of the trainers
         if self.env.rank == 0 and probe is not None:
             write_probe(self.paths, version, self.probe, probe)
-        weights = self.format.export(self.backend)
-        writer, waited, gap = None, 0.0, None
-        if export_to is not None and self.env.rank == 0:
-            writer = PolicyWriter(export_to, self.format, version)
-            weights = _tee(weights, writer.add)
-        if self.sender is None:
-            for _ in weights:
+        writer = PolicyWriter(export_to, self.format, version) if export_to is not None and self.env.rank == 0 else None
+        while True:
+            weights = self.format.export(self.backend)
+            if writer is not None:
+                weights = _tee(weights, writer.add)
+            outcome = self._broadcast(weights, version)
+            for _ in weights:  # finish the export (under FSDP2 a collective of the trainers) if the send stopped early
                 pass
-        else:
-            try:
-                waited = self.sender.broadcast(weights, version=version, kind=self.format.name).waited_s
-                gap = self._judge(version, self.sender.probe_gaps(version))
-            except WeightSyncError:
-                if not self.stop.requested:
-                    raise
-                # SIGTERM reached the generators too and they left mid-broadcast; the checkpoint about
-                # to be written holds this version, and they receive it from there when the run resumes.
-                log.warning("generators left during the broadcast of version %d: stopping", version)
-                for _ in weights:  # finish the export: under FSDP2 it is a collective of the trainers
-                    pass
-        if writer is not None:
-            writer.close()
-        return waited, gap
+            if writer is not None:
+                writer.close()
+                writer = None
+            if not self._agree_to_send_again(outcome is _AGAIN):
+                break
+        if outcome is None or outcome is _AGAIN:
+            return 0.0, None
+        transfer, gaps = outcome
+        return transfer.waited_s, self._judge(version, gaps)
+
+    def _broadcast(self, weights, version: int):
+        """Rank 0: the fleet's outcome ((transfer, gaps), or _AGAIN after a loss); None elsewhere, or
+        when the run is stopping."""
+        if self.fleet is None:
+            return None
+        try:
+            outcome = self.fleet.send(weights, version=version, kind=self.format.name, step=version)
+        except WeightSyncError:
+            if not self.stop.requested:
+                raise
+            # SIGTERM reached the generators too and they left mid-broadcast; the checkpoint about
+            # to be written holds this version, and they receive it from there when the run resumes.
+            log.warning("generators left during the broadcast of version %d: stopping", version)
+            return None
+        except FleetTooSmall as err:
+            self.stop.request(str(err), requeue=True)
+            return None
+        return _AGAIN if outcome is None else outcome
+
+    def _agree_to_send_again(self, again: bool) -> bool:
+        """Whether rank 0 must send this version again (collective: every rank exports it again), or
+        Stopped on every rank when rank 0 decided to stop."""
+        flags = torch.tensor([int(again), int(self.stop.requested and self.env.rank == 0)])
+        if self.env.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1]:
+            raise Stopped(self.stop.received or "trainer rank 0's decision")
+        return bool(flags[0])
 
     def _judge(self, version: int, gaps: dict[int, float]) -> list[float] | None:
         """Each engine's gap (the largest over its TP workers), in engine order; beyond
@@ -76,15 +106,16 @@ class Publisher:
         if not gaps:
             return None
         worst = max(gaps, key=gaps.get)
-        check_gap(version, gaps[worst], f"sync rank {worst} (generator {self._engine(worst)})",
+        engine_of = self.fleet.engine_of
+        check_gap(version, gaps[worst], f"sync rank {worst} (generator {engine_of(worst)})",
                   self.config.generator.max_logprob_gap)
         engines: dict[int, float] = {}
         for rank, gap in gaps.items():
-            engines[self._engine(rank)] = max(gap, engines.get(self._engine(rank), 0.0))
+            engines[engine_of(rank)] = max(gap, engines.get(engine_of(rank), 0.0))
         return [engines[engine] for engine in sorted(engines)]
 
-    def _engine(self, sync_rank: int) -> int:
-        return (sync_rank - 1) // self.tp
+
+_AGAIN = object()
 
 
 def _tokenizer(model_path: str):
@@ -93,19 +124,9 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
-def host_weight_sync(env: RoleEnv, paths: RunPaths, config):
-    from ..weight_sync import SyncOptions, WeightSender, host_group
-
-    timeout = config.generator.sync_timeout_s
-    options = SyncOptions(backend=sync_backend(), join_timeout_s=timeout, collective_timeout_s=timeout)
-    group = host_group(
-        paths,
-        world_size=sync_world_size(config),
-        address=socket.gethostbyname(env.trainer_host),
-        attempt=env.attempt,
-        options=options,
-    )
-    return WeightSender(group)
+def host_fleet(env: RoleEnv, paths: RunPaths, config, stop: StopFlag) -> Fleet:
+    return Fleet(paths, config, address=socket.gethostbyname(env.trainer_host), attempt=env.attempt,
+                 backend=sync_backend(), stopping=lambda: stop.requested)
 
 
 def _tee(weights, add):

@@ -40,6 +40,7 @@ MAGIC = 0x524C5753  # "RLWS": a peer speaking something else fails loudly, not w
 ALIGN = 64  # a packed tensor starts 64-byte aligned, so a view of any dtype is valid
 OK, STALE, FAILED = 0, 1, 2
 MiB = 1 << 20
+ABANDON_POLL_S = 0.1
 
 Consumer = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -114,9 +115,12 @@ class _Collectives:
     backend), so every later call fails at once with the first error.
     """
 
-    def __init__(self, group: SyncGroup):
+    def __init__(self, group: SyncGroup, abandon: Callable[[], str | None] | None = None):
         self.group = group
         self.broken: WeightSyncError | None = None
+        self.abandon = abandon
+        """Asked every ABANDON_POLL_S while a collective is pending: a reason to give it up now (a
+        peer whose heartbeat stopped: on a dead node a send would otherwise wait out its timeout)."""
 
     def check_usable(self) -> None:
         if self.broken:
@@ -162,25 +166,38 @@ class _Collectives:
         if pending.work is None:
             return
         try:
-            pending.work.wait(pending.limit)  # the backend enforces the limit too; this bounds our own wait
+            if self.group.backend == "gloo" and self.abandon is None:
+                pending.work.wait(pending.limit)  # the backend enforces the limit too; this bounds our own wait
+                return
             if self.group.backend == "nccl":
-                self._poll(pending)
+                pending.work.wait(pending.limit)  # orders the stream; returns at once
+            self._poll(pending, self.abandon)
+            if self.group.backend == "gloo":
+                pending.work.wait(pending.limit)  # completed: returns at once, or raises its error
         except RuntimeError as e:
             self._fail(e, pending.what, pending.started, pending.limit)
 
     @staticmethod
-    def _poll(pending: _Pending) -> None:
-        """On NCCL `Work.wait` only orders the current stream after the collective and returns (it
-        blocks only with TORCH_NCCL_BLOCKING_WAIT): poll its completion (a CUDA event query) against
-        the deadline, so a stalled peer ends in our named error rather than a watchdog abort, and the
-        host does not run ahead of the wire holding every tensor it queued."""
+    def _poll(pending: _Pending, abandon: Callable[[], str | None] | None = None) -> None:
+        """Poll the work's completion against the deadline (and `abandon`). On NCCL `Work.wait` only
+        orders the current stream after the collective and returns (it blocks only with
+        TORCH_NCCL_BLOCKING_WAIT): polling (a CUDA event query) makes a stalled peer end in our named
+        error rather than a watchdog abort, and keeps the host from running ahead of the wire holding
+        every tensor it queued."""
         deadline = pending.started + pending.limit.total_seconds()
+        began = asked = time.monotonic()
         pause = 20e-6
         while not pending.work.is_completed():
-            if time.monotonic() > deadline:
-                raise RuntimeError("not completed by its deadline (NCCL work still pending on the GPU)")
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError("not completed by its deadline (work still pending)")
+            if abandon is not None and now - asked >= ABANDON_POLL_S:
+                asked = now
+                if reason := abandon():
+                    raise RuntimeError(f"given up: {reason}")
             time.sleep(pause)
-            pause = min(2 * pause, 2e-3)
+            # fine-grained while a piece is on the wire; a long wait (the trainer training) polls gently
+            pause = min(2 * pause, 1e-3 if now - began < ABANDON_POLL_S else 10e-3)
 
     def _fail(self, error: Exception, what: str, started: float, limit: timedelta) -> None:
         self.broken = WeightSyncError(
@@ -242,7 +259,7 @@ class WeightSender:
     # 10-20 GB/s), so tensors up to a few MB are cheaper packed; 16 MiB buckets keep the pipeline fine
     # grained. On GPUs packing is nearly free and per-call cost dominates even more.
     def __init__(self, group: SyncGroup, *, bucket_bytes: int = 16 * MiB, alone_bytes: int = 4 * MiB,
-                 max_in_flight: int = 2):
+                 max_in_flight: int = 2, abandon: Callable[[], str | None] | None = None):
         if group.rank != 0:
             raise ValueError(f"WeightSender runs on sync rank 0 (trainer rank 0), not sync rank {group.rank}")
         if not 0 < alone_bytes <= bucket_bytes:
@@ -250,8 +267,14 @@ class WeightSender:
         self.group, self.bucket_bytes, self.alone_bytes = group, bucket_bytes, alone_bytes
         self.max_in_flight = max(1, max_in_flight)
         self.last_version: int | None = None
-        self._ops = _Collectives(group)
+        self._ops = _Collectives(group, abandon)
         self._pack_buffers: list[torch.Tensor] = []  # reused across messages: no page faults after the first
+
+    def regroup(self, group: SyncGroup) -> None:
+        """Go on with a new generation of the group (after a loss or a join): the versions sent so
+        far stay sent; the one that failed may be sent again."""
+        self.group = group
+        self._ops = _Collectives(group, self._ops.abandon)
 
     def broadcast(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                   version: int, kind: str = "full", timeout_s: float | None = None) -> Transfer:

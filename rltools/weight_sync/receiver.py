@@ -24,8 +24,14 @@ class WeightReceiver:
             raise ValueError("WeightReceiver runs on a generator worker (sync rank >= 1), not on sync rank 0")
         self.group = group
         self.last_version = last_version
-        self._ops = _Collectives(group)
+        # A member of a fleet gives a collective up as soon as trainer rank 0 re-forms the group.
+        self._ops = _Collectives(group, abandon=group.superseded if group.control is not None else None)
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=group.device) for _ in range(2)]
+
+    @property
+    def usable(self) -> bool:
+        """False once a collective failed (a peer lost or stalled): the group must be formed again."""
+        return self._ops.broken is None
 
     @property
     def buffer_bytes(self) -> int:

@@ -6,15 +6,21 @@ every key the group's own rendezvous writes to the store is named and authentica
 only admitted members hold. The group is a standalone process-group object, never the default group,
 so it cannot collide with the trainers' own group.
 
-Protocol, all through a TCPStore hosted by trainer rank 0 (the "host"):
+Protocol, all through a TCPStore hosted by trainer rank 0 (the "host") for the whole run attempt:
  1. host: start the store, set `nonce`, THEN publish {"host", "port", "attempt"} in
     `paths.sync_address` (tmp file + os.replace), so a joiner that sees the file can read the nonce.
- 2. joiner (sync rank r, 1..W-1): wait for a file of its own attempt (an earlier start's file is
-    ignored), then append ";r:token:HMAC(secret, join|nonce|r|token);" to `joins`.
+ 2. joiner (worker id w, 1..W-1: its fixed sync rank), at any time: wait for a file of its own
+    attempt (an earlier start's file is ignored), then append ";w:token:HMAC(secret, join|nonce|w|token);"
+    to `joins`.
  3. host: check each proof. Admitted: `admit/<token>` = the random group key XOR HMAC(secret,
     admit|nonce|token), plus a tag proving the host knows the secret too. Refused: "refused:<code>"
-    and a warning on the `rltools.weight_sync` logger.
- 4. all: build the process group on a `SealedStore(store, group key)`.
+    and a warning on the `rltools.weight_sync` logger. A worker id is admitted once while it is a
+    member; the host releases the id of a member it lost, so a replacement can take it.
+ 4. group generations: the host opens generation g (the store counter `generation` becomes g + 1);
+    each member marks itself ready under g; the host writes g's roster (the worker ids in rank
+    order) and all form the process group of g (ranks 1.. in roster order) on a `SealedStore` of g.
+    A member that missed g's roster was dropped. When a member is lost the host drops the group
+    (which fails every collective the others are in) and opens g + 1; the others join it.
 
 Why a sealed store and not a PrefixStore with a secret prefix: TCPStore.list_keys() answers any
 client, so a prefix hides nothing; with sealed keys a process without the secret can still delete
@@ -23,8 +29,10 @@ The data path itself (gloo/NCCL sockets) is unauthenticated and unencrypted, as 
 torch.distributed job: the secret guards who may join, not the wire.
 """
 
+import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 import socket
@@ -81,27 +89,53 @@ class SyncGroup:
     timeout: timedelta
     store: Any
     """The group's SealedStore, kept alive with it; on trainer rank 0 it holds the TCPStore server."""
+    generation: int = 0
+    """Which formation of the group this is (`SyncHost.open`); a new one follows each loss or join."""
+    members: tuple[int, ...] = ()
+    """The worker ids (fixed sync ranks) of ranks 1..W-1, in rank order."""
+    control: Any = None
+    """A member's raw store client: its generation counter says when this group is superseded."""
 
     def describe(self) -> str:
-        return f"weight-sync group (trainer rank 0 + {self.world_size - 1} generator worker(s), backend {self.backend})"
+        again = f", generation {self.generation}" if self.generation else ""
+        return f"weight-sync group (trainer rank 0 + {self.world_size - 1} generator worker(s), backend {self.backend}{again})"
+
+    def superseded(self) -> str | None:
+        """Why this generation is over (trainer rank 0 opened a newer one), or None."""
+        if self.control is None:
+            return None
+        latest = self.control.add(GENERATION, 0) - 1
+        return f"trainer rank 0 re-forms the group (generation {latest})" if latest > self.generation else None
+
+    def close(self) -> None:
+        """Give this process group up. It is aborted but kept (`_GIVEN_UP`): destroying a gloo group
+        with a collective still pending joins its worker thread, which waits out the collective's
+        timeout; the peers learn of the end from the store's generation counter (`superseded`)."""
+        abort = getattr(self.pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except RuntimeError:
+                pass  # already broken
+        _GIVEN_UP.append(self.pg)
+
+
+_GIVEN_UP: list = []  # process groups given up, alive until the process ends
+
+
+class Dropped(WeightSyncError):
+    """This worker was not in the roster of the generation it joined: the trainer formed the group without it."""
+
+
+GENERATION = "generation"  # the store counter: generations opened so far (the open one is the count - 1)
 
 
 def host_group(paths: RunPaths, *, world_size: int, address: str, attempt: int | str = 0,
                options: SyncOptions = SyncOptions()) -> SyncGroup:
     """Trainer rank 0: host the store at `address` (a name generator nodes resolve, e.g. RoleEnv's
     trainer_host), admit W-1 generator workers, form the group. Blocks up to options.join_timeout_s."""
-    _check(options, world_size)
-    deadline = time.monotonic() + options.join_timeout_s
-    secret = _read_secret(paths)
-    store = bound_store(address, timedelta(seconds=options.join_timeout_s))
-    nonce = secrets.token_hex(16)
-    store.set("nonce", nonce)  # before the address is published: joiners read it straight away
-    publish_address(paths.sync_address, address, store.port, attempt)
-    log.info("weight-sync: store at %s:%d (attempt %s), waiting for %d generator worker(s)",
-             address, store.port, attempt, world_size - 1)
-    admissions = _Admissions(store, secret, nonce, world_size)
-    _admit_all(admissions, deadline, options.join_timeout_s)
-    return _form(store, admissions.group_key, 0, world_size, options, deadline, None)
+    host = SyncHost(paths, workers=world_size - 1, address=address, attempt=attempt, options=options)
+    return host.first_group()
 
 
 def join_group(paths: RunPaths, *, rank: int, world_size: int, attempt: int | str = 0,
@@ -109,32 +143,137 @@ def join_group(paths: RunPaths, *, rank: int, world_size: int, attempt: int | st
     """Generator worker with sync rank 1..W-1 (its global generator-worker index + 1): find trainer
     rank 0 of `attempt`, prove the secret, join. Blocks up to options.join_timeout_s. For nccl,
     `device` defaults to the current CUDA device."""
-    _check(options, world_size)
-    if not 1 <= rank < world_size:
-        raise ValueError(f"weight-sync: sync rank {rank} must be in 1..{world_size - 1} (0 is trainer rank 0)")
-    deadline = time.monotonic() + options.join_timeout_s
-    secret = _read_secret(paths)
-    try:
-        host, port = wait_for_address(paths.sync_address, attempt, options.join_timeout_s, "trainer rank 0 (weight-sync store)")
-    except AddressTimeout as e:
-        raise WeightSyncError(f"weight-sync: {e}") from None
-    where = f"trainer rank 0's weight-sync store at {host}:{port}"
-    try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=_left(deadline)))
-        nonce = store.get("nonce").decode()
-        token = secrets.token_hex(16)
-        store.append("joins", f";{rank}:{token}:{_mac(secret, 'join', nonce, rank, token).hex()};")
-    except dist.DistError as e:
-        raise WeightSyncError(f"weight-sync: could not reach {where} (from {paths.sync_address}): {_first_line(e)}") from e
-    answer = _await_answer(store, token, deadline, f"{where} did not answer the join of sync rank {rank}")
-    if answer.startswith("refused:"):
-        code = answer.removeprefix("refused:")
-        why = REFUSALS[code][1] if code in REFUSALS else f"unknown reason {code!r}"
-        why = why.format(secret=paths.secret, rank=rank, last=world_size - 1)
-        raise WeightSyncError(f"weight-sync: trainer rank 0 refused this process (sync rank {rank}): {why}")
-    group_key = _unseal(answer, secret, nonce, token, where)
-    return _form(store, group_key, rank, world_size, options, deadline, device)
+    return SyncMember(paths, worker=rank, workers=world_size - 1, attempt=attempt, options=options,
+                      device=device).join()
+
+
+class SyncHost:
+    """Trainer rank 0's end for a whole run attempt: the store, admissions (at any time: a
+    replacement worker), and the group's generations."""
+
+    def __init__(self, paths: RunPaths, *, workers: int, address: str, attempt: int | str = 0,
+                 options: SyncOptions = SyncOptions()):
+        _check(options, workers + 1)
+        self.options, self.workers = options, workers
+        secret = _read_secret(paths)
+        self.store = bound_store(address, timedelta(seconds=options.join_timeout_s))
+        nonce = secrets.token_hex(16)
+        self.store.set("nonce", nonce)  # before the address is published: joiners read it straight away
+        publish_address(paths.sync_address, address, self.store.port, attempt)
+        log.info("weight-sync: store at %s:%d (attempt %s), waiting for %d generator worker(s)",
+                 address, self.store.port, attempt, workers)
+        self.admissions = _Admissions(self.store, secret, nonce, workers + 1)
+        self.generation = -1
+
+    def first_group(self) -> SyncGroup:
+        """Admit every worker, open generation 0 and form it with all of them (the start of a run)."""
+        deadline = time.monotonic() + self.options.join_timeout_s
+        _admit_all(self.admissions, deadline, self.options.join_timeout_s)
+        self.open()
+        everyone = set(range(1, self.workers + 1))
+        while self.ready() != everyone:
+            if time.monotonic() >= deadline:
+                missing = sorted(everyone - self.ready())
+                raise WeightSyncError(f"weight-sync: generator worker(s) with sync rank {missing} were admitted "
+                                      f"but did not join the group within {self.options.join_timeout_s:.0f} s")
+            time.sleep(0.01)
+        return self.form(sorted(everyone))
+
+    def admitted(self) -> set[int]:
+        """The worker ids admitted so far (new joins are answered first)."""
+        self.admissions.poll()
+        return set(self.admissions.admitted)
+
+    def release(self, workers) -> None:
+        """Lost workers: their ids may be admitted again (a replacement process)."""
+        self.admissions.admitted -= set(workers)
+
+    def open(self) -> int:
+        """Open the next generation; members waiting for one (after a loss) mark themselves ready."""
+        self.generation = self.store.add(GENERATION, 1) - 1
+        return self.generation
+
+    def ready(self) -> set[int]:
+        """The admitted workers that marked themselves ready for the open generation."""
+        sealed = self._sealed(self.generation)
+        return {w for w in self.admitted() if sealed.check([f"ready/{w}"])}
+
+    def form(self, members: list[int]) -> SyncGroup:
+        """Form the open generation with `members` (ready worker ids), in that rank order."""
+        deadline = time.monotonic() + self.options.join_timeout_s
+        sealed = self._sealed(self.generation)
+        sealed.set("roster", json.dumps(list(members)))
+        return _form(sealed, 0, len(members) + 1, self.options, deadline, None, self.generation, tuple(members))
+
+    def _sealed(self, generation: int) -> "SealedStore":
+        return SealedStore(self.store, self.admissions.group_key, timedelta(seconds=self.options.join_timeout_s),
+                           label=f"g{generation}")
+
+
+class SyncMember:
+    """A generator worker's end: admitted once (the run secret), then joins each generation it is
+    asked to (`join`), as worker id `worker`."""
+
+    def __init__(self, paths: RunPaths, *, worker: int, workers: int, attempt: int | str = 0,
+                 options: SyncOptions = SyncOptions(), device: torch.device | None = None):
+        _check(options, workers + 1)
+        if not 1 <= worker <= workers:
+            raise ValueError(f"weight-sync: sync rank {worker} must be in 1..{workers} (0 is trainer rank 0)")
+        self.worker, self.options, self.device = worker, options, device
+        deadline = time.monotonic() + options.join_timeout_s
+        secret = _read_secret(paths)
+        try:
+            host, port = wait_for_address(paths.sync_address, attempt, options.join_timeout_s, "trainer rank 0 (weight-sync store)")
+        except AddressTimeout as e:
+            raise WeightSyncError(f"weight-sync: {e}") from None
+        self.where = where = f"trainer rank 0's weight-sync store at {host}:{port}"
+        try:
+            self.store = store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                               timeout=timedelta(seconds=_left(deadline)))
+            nonce = store.get("nonce").decode()
+            token = secrets.token_hex(16)
+            store.append("joins", f";{worker}:{token}:{_mac(secret, 'join', nonce, worker, token).hex()};")
+        except dist.DistError as e:
+            raise WeightSyncError(f"weight-sync: could not reach {where} (from {paths.sync_address}): {_first_line(e)}") from e
+        answer = _await_answer(store, token, deadline, f"{where} did not answer the join of sync rank {worker}")
+        if answer.startswith("refused:"):
+            code = answer.removeprefix("refused:")
+            why = REFUSALS[code][1] if code in REFUSALS else f"unknown reason {code!r}"
+            why = why.format(secret=paths.secret, rank=worker, last=workers)
+            raise WeightSyncError(f"weight-sync: trainer rank 0 refused this process (sync rank {worker}): {why}")
+        self.group_key = _unseal(answer, secret, nonce, token, where)
+
+    def join(self, after: int | None = None) -> SyncGroup:
+        """Join the first generation opened after generation `after` (None: the open one, or the next
+        if the open one is formed already); Dropped when the trainer formed it without this worker."""
+        deadline = time.monotonic() + self.options.join_timeout_s
+        try:
+            if after is None:
+                latest = self.store.add(GENERATION, 0) - 1  # -1: none opened yet
+                formed = latest >= 0 and self._sealed(latest, deadline).check(["roster"])
+                after = latest if formed or latest < 0 else latest - 1
+            delay = 0.01
+            while (generation := self.store.add(GENERATION, 0) - 1) <= after:
+                if time.monotonic() >= deadline:
+                    raise WeightSyncError(f"weight-sync: {self.where} opened no generation after {after} within "
+                                          f"{self.options.join_timeout_s:.0f} s (sync rank {self.worker})")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+            sealed = self._sealed(generation, deadline)
+            sealed.set(f"ready/{self.worker}", "1")
+            roster = json.loads(sealed.get("roster"))
+        except dist.DistError as e:
+            raise WeightSyncError(f"weight-sync: joining generation {after + 1}+ at {self.where} failed as sync rank "
+                                  f"{self.worker}: {_first_line(e)}") from e
+        if self.worker not in roster:
+            raise Dropped(f"weight-sync: trainer rank 0 formed generation {generation} of the group without sync rank "
+                          f"{self.worker} (it was lost to the trainer: too late, or its heartbeat stopped)")
+        group = _form(sealed, roster.index(self.worker) + 1, len(roster) + 1, self.options, deadline, self.device,
+                      generation, tuple(roster))
+        return dataclasses.replace(group, control=self.store)
+
+    def _sealed(self, generation: int, deadline: float) -> "SealedStore":
+        return SealedStore(self.store, self.group_key, timedelta(seconds=_left(deadline)), label=f"g{generation}")
 
 
 def bound_store(address: str, timeout: timedelta):
@@ -251,10 +390,10 @@ def _unseal(answer: str, secret: bytes, nonce: str, token: str, where: str) -> b
 
 
 # -- both sides ---------------------------------------------------------------------------------
-def _form(store, group_key: bytes, rank: int, world_size: int, options: SyncOptions, deadline: float,
-          device: torch.device | None) -> SyncGroup:
+def _form(sealed: "SealedStore", rank: int, world_size: int, options: SyncOptions, deadline: float,
+          device: torch.device | None, generation: int = 0, members: tuple[int, ...] = ()) -> SyncGroup:
     timeout = timedelta(seconds=options.collective_timeout_s)
-    sealed = SealedStore(store, group_key, timedelta(seconds=max(_left(deadline), 1.0)))
+    sealed.set_timeout(timedelta(seconds=max(_left(deadline), 1.0)))
     describe = f"trainer rank 0 + {world_size - 1} generator worker(s), backend {options.backend}"
     started = time.monotonic()
     try:
@@ -269,7 +408,7 @@ def _form(store, group_key: bytes, rank: int, world_size: int, options: SyncOpti
     except (dist.DistError, RuntimeError) as e:
         raise WeightSyncError(f"weight-sync: forming the group ({describe}) failed as sync rank {rank} after "
                               f"{time.monotonic() - started:.1f} s: {_first_line(e)}") from e
-    return SyncGroup(pg, rank, world_size, options.backend, device, timeout, sealed)
+    return SyncGroup(pg, rank, world_size, options.backend, device, timeout, sealed, generation, members)
 
 
 class SealedStore(dist.Store):
@@ -279,12 +418,13 @@ class SealedStore(dist.Store):
     per-call cost of a Python store does not matter.
     """
 
-    def __init__(self, inner, key: bytes, timeout: timedelta):
+    def __init__(self, inner, key: bytes, timeout: timedelta, label: str = ""):
         super().__init__()
         self._inner, self._key, self._timeout = inner, key, timeout
+        self._label = label.encode()  # a generation's records never meet another's
 
     def _name(self, key: str) -> str:
-        return "g/" + hmac.new(self._key, b"name|" + key.encode(), hashlib.sha256).hexdigest()[:40]
+        return "g/" + hmac.new(self._key, b"name|" + self._label + b"|" + key.encode(), hashlib.sha256).hexdigest()[:40]
 
     def _tag(self, name: str, value: bytes) -> bytes:
         return hmac.new(self._key, name.encode() + b"|" + value, hashlib.sha256).digest()

@@ -137,7 +137,7 @@ def test_a_stop_signal_at_each_phase_of_the_trainer_ends_at_a_checkpoint(run, ph
     expected = {"start": done, "train": done + 2, "sync": done + 2, "checkpoint": step}[phase]
     current = launch(run, env={"RLTOOLS_FAULT": fault})
     assert current.wait() == 3, f"{fault}: {current.stderr[-3000:]}"
-    assert "the trainer stopped on a signal" in current.stderr
+    assert "the trainer stopped" in current.stderr
     assert len(steps(run["dir"])) == expected and checkpoints(run["dir"])[-1] == expected, (fault, checkpoints(run["dir"]))
     wait_gone(run["dir"])
     if phase == "start":

@@ -70,7 +70,7 @@ def reload_and_compare(tmp_path: Path, kind: str, device: torch.device, model_cf
     outcome: dict = {}
     trainer = threading.Thread(target=trainer_rank0, args=(paths, weights, kind, outcome), daemon=True)
     trainer.start()
-    engine.join_weight_sync(paths, first_rank=1, world_size=2, attempt="0", backend="gloo")
+    engine.join_weight_sync(paths, first_rank=1, workers=1, attempt="0", backend="gloo")
     version, seconds = engine.receive_weights(paths, next_version=1)
     trainer.join(TIMEOUT_S)
     assert not trainer.is_alive(), "trainer rank 0's broadcast did not return"

@@ -83,8 +83,10 @@ def test_concat_keeps_every_sample():
     assert len(joined) == 8
     flat = [(p.completion(i).tolist(), p.prompt(i).tolist()) for p in parts for i in range(len(p))]
     assert [(joined.completion(i).tolist(), joined.prompt(i).tolist()) for i in range(8)] == flat
-    with pytest.raises(ValueError, match="policy versions"):
-        RolloutBatch.concat([random_batch(rng, 2, version=1), random_batch(rng, 2, version=2)])
+    assert joined.slot_sizes == (3, 0, 5)
+    # a slot a surviving engine generated after a loss may be of a newer version: the oldest bounds staleness
+    mixed = RolloutBatch.concat([random_batch(rng, 2, version=2), random_batch(rng, 2, version=1)])
+    assert mixed.policy_version == 1
 
 
 def routed_batch(rng: np.random.Generator, n: int, layers: int = 2, top_k: int = 2) -> RolloutBatch:

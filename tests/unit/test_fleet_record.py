@@ -1,0 +1,47 @@
+"""runtime.fleet: which engine generates each slot of a step, and trainer rank 0's heartbeat clock."""
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from rltools.paths import RunPaths
+from rltools.runtime import faults
+from rltools.runtime.fleet import FleetRecord, Heartbeats
+
+
+def test_a_lost_engines_slots_go_to_the_survivors_in_turn_and_come_home_when_it_is_back(tmp_path):
+    record = FleetRecord.start(4)
+    assert record.slots(7) == [0, 1, 2, 3] and record.mine(2, 7) == [2]
+    record.live = [0, 2]  # engines 1 and 3 lost at step 5
+    assert record.reassign(5) == [0, 0, 2, 2]
+    assert record.slots(4) == [0, 1, 2, 3] and record.slots(5) == [0, 0, 2, 2]  # trained steps keep theirs
+    record.live = [0]
+    assert record.reassign(9) == [0, 0, 0, 0]
+    record.live = [0, 1]  # engine 1 restarted: its own slot comes back, slot 3 stays where it is
+    assert record.reassign(12) == [0, 1, 0, 0]
+    assert [start for start, _ in record.assignments] == [0, 5, 9, 12]
+    record.note("lost", 3, 5, "its heartbeat stopped")
+    paths = RunPaths(tmp_path)
+    record.write(paths)
+    assert FleetRecord.read(paths) == record
+    assert FleetRecord.read(RunPaths(tmp_path / "none")) is None
+
+
+def test_an_engine_is_stale_only_after_its_counter_stops_for_the_timeout():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1))
+    beats = Heartbeats(store, timeout_s=0.05)
+    assert beats.stale([0, 1]) == {}  # first sight: a grace period
+    time.sleep(0.1)
+    store.add("beat/0", 1)  # engine 0 beats, engine 1 does not
+    stale = beats.stale([0, 1])
+    assert list(stale) == [1] and stale[1] > 0.05
+    beats.forget(1)
+    assert beats.stale([1]) == {}
+
+
+def test_a_fault_can_name_the_task_it_is_for():
+    spec = "generator.sample@3/1=kill,trainer.sync@2=signal:USR2"
+    assert faults._parse(spec, "1") == {("generator.sample", 3): "kill", ("trainer.sync", 2): "signal:USR2"}
+    assert faults._parse(spec, "0") == {("trainer.sync", 2): "signal:USR2"}
