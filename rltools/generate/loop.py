@@ -70,13 +70,19 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
         weights.receive(with_eval=False)  # the checkpoint's policy, before any sampling
     elif engine.writes_files:  # the first engine evaluates
         record_eval(paths, evaluate(engine, task, config), 0)
-    step = start
+    step = backfill = start  # steps before `backfill` need nothing more from this engine
+    assignments = None
     while True:
         if weights.dirty:  # part of a message loaded before the group broke: the resend comes first
             weights.receive()
             continue
         if step < schedule.steps:
-            todo = work(FleetRecord.read(paths) or FleetRecord.start(config.cluster.generators.ntasks), env.rank, step, paths)
+            record = FleetRecord.read(paths) or FleetRecord.start(config.cluster.generators.ntasks)
+            if record.assignments != assignments:  # reassigned from that step on: maybe slots of steps passed
+                assignments = record.assignments
+                backfill = min(backfill, record.assignments[-1][0])
+            todo = work(record, env.rank, backfill, step, paths)
+            backfill = todo[0][0] if todo else step
             if not todo:
                 step += 1
                 continue
@@ -91,10 +97,9 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
         weights.receive()  # the trainer's last broadcasts: the final weights
 
 
-def work(record: FleetRecord, engine: int, step: int, paths: RunPaths) -> list[tuple[int, int]]:
-    """(step, slot) this engine still has to generate, in order: slots a lost engine left of steps
-    before `step` (since the assignment began: earlier steps are trained), then `step`'s own."""
-    since = min(record.assignments[-1][0], step)
+def work(record: FleetRecord, engine: int, since: int, step: int, paths: RunPaths) -> list[tuple[int, int]]:
+    """(step, slot) this engine still has to generate, in order: slots of steps `since`..`step` - 1
+    a lost engine left to it (those steps are not trained yet: they wait for these), then `step`'s."""
     return [(at, slot) for at in range(since, step + 1) for slot in record.mine(engine, at)
             if not paths.rollout_shard(at, slot).exists()]
 

@@ -73,7 +73,7 @@ def run_submitted(run_dir: str) -> str:
     logging.getLogger("submitit").propagate = False  # it has its own handler: no doubled lines
     env = RoleEnv.from_environ()
     code = run_role(env.role, [run_dir])
-    if code == EXIT_STOPPED:  # not an error: stopped at a checkpoint; the job script records the code
+    if code in (EXIT_STOPPED, 2):  # stopped at a checkpoint, or bad input: the job script tells them from a crash
         raise SystemExit(code)
     if code:
         raise RoleFailed(f"{env.role} {env.rank} exited with code {code}; see its log in {run_dir}/slurm/logs")

@@ -72,6 +72,7 @@ def render_sbatch(
         attempt_log_dir=paths.relative(paths.attempt_log_dir("$attempt")),  # the script numbers its starts
         job_id_file=paths.relative(paths.job_id_file),
         lock_file=paths.relative(paths.lock_file),
+        max_requeues=config.cluster.max_requeues if config.cluster.requeue else 0,
     )
 
 

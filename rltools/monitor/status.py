@@ -17,6 +17,7 @@ from ..errors import UserError
 from ..launch.run_lock import is_held
 from ..launch.slurm import ACTIVE, job_state
 from ..paths import ROLES, RunPaths
+from ..runtime.fleet import FleetRecord
 from ..runtime.preempt import EXIT_STOPPED
 from .logs import failing_log_tail
 from .progress import eta, step_line
@@ -63,6 +64,9 @@ class RunStatus:
     """Steps done by the latest valid checkpoint; 0 when there is none."""
     staleness: dict[int, int] = dataclasses.field(default_factory=dict)
     """How many steps trained on rollouts k policy versions old, by k (schedule.max_staleness bounds k)."""
+    engines: dict | None = None
+    """The generator fleet (fleet.json): {"configured", "live": [engine, ...], "events": [{"event":
+    "lost", "engine", "step", "why", "time"}, ...]}; None before trainer rank 0 formed it."""
     failed_component: str | None = None
     """The component whose role failed first ("generators" or "trainers"), when the run failed."""
     log_tail: str | None = None
@@ -103,6 +107,9 @@ def run_status(paths: RunPaths) -> RunStatus:
         checkpoint=paths.latest_checkpoint(),
         staleness=dict(sorted(Counter(m["staleness"] for m in metrics if "staleness" in m).items())),
     )
+    fleet = FleetRecord.read(paths)
+    if fleet is not None:
+        status.engines = {"configured": config.cluster.generators.ntasks, "live": fleet.live, "events": fleet.events}
     if job_id:
         job = job_state(job_id)
         status.state, status.components = job["state"], job["components"]
@@ -118,7 +125,8 @@ def _read_exits(status: RunStatus, paths: RunPaths, attempt: int) -> None:
     checkpoint, and the component that failed first (the first exit file written with a failure)."""
     exits = _exit_codes(paths, attempt)
     if status.state == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
-        status.state = "COMPLETED" if set(exits.values()) == {0} and len(exits) == len(ROLES) else "FAILED"
+        # the trainers' end is the run's: engines lost on the way fail their component, not the run
+        status.state = "COMPLETED" if exits.get("trainer") == 0 and len(exits) == len(ROLES) else "FAILED"
     if status.state not in ACTIVE and exits.get("trainer") == EXIT_STOPPED:
         status.state = "STOPPED"  # on a signal, at a checkpoint: resumable
     if status.state not in ACTIVE and status.state not in ("COMPLETED", "STOPPED"):
@@ -137,6 +145,11 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"  {name:<11} {component['state']:<11} {where}")
     lines.append(step_line(status.step, status.total_steps, status.last_metrics,
                            eta_s=status.eta_s if status.state in ACTIVE else None))
+    if status.engines and (status.engines["configured"] > 1 or status.engines["events"]):
+        lost = [f"generator {e['engine']} at step {e['step']} ({e.get('why', '')})" for e in status.engines["events"]
+                if e["event"] == "lost"]
+        lines.append(f"generator engines: {len(status.engines['live'])} of {status.engines['configured']} live"
+                     + (f"; lost: {', '.join(lost)}" if lost else ""))
     if status.checkpoint:
         lines.append(f"checkpoint after {status.checkpoint} steps")
     if any(status.staleness):  # some step trained on rollouts of an older policy

@@ -17,8 +17,6 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-
-import torch.distributed as dist
 from datetime import timedelta
 
 from ..durable import atomic_write
@@ -76,9 +74,10 @@ class FleetRecord:
     @classmethod
     def read(cls, paths: RunPaths) -> "FleetRecord | None":
         try:
-            return cls(**json.loads(paths.fleet.read_text()))
+            fields = json.loads(paths.fleet.read_text())
         except FileNotFoundError:
             return None
+        return cls(**{key: value for key, value in fields.items() if key in cls.__dataclass_fields__})
 
 
 class Heartbeat:
@@ -86,6 +85,8 @@ class Heartbeat:
     weight-sync store every BEAT_S, for as long as the process lives."""
 
     def __init__(self, paths: RunPaths, attempt: int | str, engine: int, timeout_s: float):
+        import torch.distributed as dist  # here: `rltools status` reads this module on a login node
+
         host, port = wait_for_address(paths.sync_address, attempt, timeout_s, "trainer rank 0 (weight-sync store)")
         self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s))

@@ -37,11 +37,10 @@ class Fleet:
         options = SyncOptions(backend=backend, join_timeout_s=gen.sync_timeout_s, collective_timeout_s=gen.sync_timeout_s)
         self.host = SyncHost(paths, workers=self.engines * self.tp, address=address, attempt=attempt, options=options)
         self.beats = Heartbeats(self.host.store, gen.heartbeat_timeout_s)
+        self.record = FleetRecord.start(self.engines)
+        self.record.write(paths)  # before any engine joins: none reads an earlier attempt's record
         group = self.host.first_group()
         self.sender = WeightSender(group, abandon=self._abandon)
-        self.record = FleetRecord.start(self.engines)
-        self.record.generation = group.generation
-        self.record.write(paths)
         self._reform_due = False
         self.stopping = stopping
         """Whether the run is stopping on a signal: then a failed sync is the generators leaving, not a loss."""

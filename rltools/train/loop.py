@@ -171,7 +171,7 @@ def wait_for_rollouts(env: RoleEnv, store: RolloutStore, step: int, slots, timeo
         except FleetTooSmall as err:
             stop.request(str(err), requeue=True)
     _agree_to_stop(stop, env)
-    return RolloutBatch.concat(batches if batches is not None else store.wait(step, ranks, timeout_s))
+    return RolloutBatch.concat(batches if batches is not None else store.wait(step, slots, timeout_s))
 
 
 def _agree_to_stop(stop: StopFlag, env: RoleEnv) -> None:

@@ -5,12 +5,7 @@ exactly the prompts an uninterrupted run trains."""
 
 import json
 
-import numpy as np
-
-from rltools.config import load_config
-from rltools.paths import RunPaths
-from rltools.rollout.shard import read_shard
-from rltools.runtime.roles import group_id
+from tests.fleet_checks import assert_each_step_trained_its_own_prompts
 
 from .conftest import Launch, steps
 
@@ -40,16 +35,6 @@ def test_a_run_loses_two_of_three_engines_and_completes_on_the_third(tmp_path, r
     assert [(e["event"], e["engine"]) for e in fleet["events"]] == [("lost", 1), ("lost", 2)]
     assert fleet["assignments"][-1][1] == [0, 0, 0]
 
-    # Every step trained exactly its own prompts, each once, all of its group: what an uninterrupted
-    # run trains (a slot's prompts and group ids depend only on the seed, the step and the slot).
-    config = load_config(RunPaths(run_dir).config)
-    schedule, paths = config.schedule, RunPaths(run_dir)
-    run_id = paths.read_run_id()
-    for step in range(STEPS):
-        ids = np.concatenate([read_shard(paths.rollout_shard(step, slot), run_id=run_id, step=step, rank=slot).group_ids
-                              for slot in range(3)])
-        expected = [group_id(config, step, i) for i in range(schedule.prompts_per_step)]
-        groups, counts = np.unique(ids, return_counts=True)
-        assert groups.tolist() == expected and set(counts.tolist()) == {schedule.group_size}, step
+    assert_each_step_trained_its_own_prompts(run_dir, STEPS)
     log = (run_dir / "slurm" / "logs" / "attempt_0" / "generator_0.log").read_text()
     assert "(slot 1, for a lost engine)" in log and "(slot 2, for a lost engine)" in log

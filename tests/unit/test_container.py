@@ -50,7 +50,7 @@ def test_pyxis_adds_container_options_to_each_srun_line(repo):
         f"    --container-workdir={RUN} \\\n"
     )
     assert srun_steps(script) == [
-        f"srun --het-group={i} --kill-on-bad-exit=1 --export=ALL,RLTOOLS_ROLE={role} \\\n"
+        f"srun --het-group={i} --kill-on-bad-exit={int(role == 'trainer')} --export=ALL,RLTOOLS_ROLE={role} \\\n"
         f'    --output="$log_dir/{role}_%t.log" \\\n{container}'
         f'    python3 -m rltools.jobs.{role} "$RLTOOLS_RUN_DIR" 9>&- &'
         for i, role in enumerate(["generator", "trainer"])

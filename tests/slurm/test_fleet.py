@@ -1,0 +1,78 @@
+"""Faults of a multi-node run on the local Slurm, from outside the job as a node would fail: a
+generator task killed with SIGKILL costs throughput, not the run; a trainer task killed with SIGKILL
+requeues the job, which resumes from its checkpoint and completes."""
+
+import json
+import random
+import signal
+import subprocess
+import time
+
+from tests.fleet_checks import assert_each_step_trained_its_own_prompts
+
+from rltools.launch.slurm import ACTIVE
+
+from .conftest import demo_run, job_states, sbatch, wait_for_job
+
+
+def role_processes(run_dir, role: str) -> dict[int, int]:
+    """{task rank: pid} of a role's processes (the plain-sbatch command line names the run directory)."""
+    found = {}
+    pids = subprocess.run(["pgrep", "-f", f"rltools.jobs.{role} {run_dir}$"], capture_output=True, text=True).stdout
+    for pid in map(int, pids.split()):
+        try:
+            environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+        except OSError:
+            continue  # ended meanwhile
+        found[int(environ["SLURM_PROCID"])] = pid
+    return found
+
+
+def done_steps(paths) -> int:
+    return len(paths.metrics.read_text().splitlines()) if paths.metrics.exists() else 0
+
+
+def kill_at_step(paths, job_id: str, role: str, rank: int, step: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while done_steps(paths) < step or rank not in role_processes(paths.root, role):
+        states = job_states(job_id)
+        ended = bool(states) and not ACTIVE & set(states.values())
+        assert time.monotonic() < deadline and not ended, (f"no step {step} with a {role} {rank} to kill", states)
+        time.sleep(0.2)
+    subprocess.run(["kill", f"-{signal.SIGKILL.value}", str(role_processes(paths.root, role)[rank])], check=True)
+
+
+def test_a_killed_generator_task_costs_throughput_not_the_run(slurm, repo, tmp_path):
+    steps = 12
+    step = random.Random(25).randint(3, 7)  # seeded: a failure names the step it happened at
+    paths = demo_run(repo, tmp_path, f"schedule.steps={steps}", "schedule.eval_every=0", "eval.problems=16",
+                     "cluster.generators.nodes=2", "generator.heartbeat_timeout_s=5",
+                     f"schedule.keep_rollout_steps={steps}")
+    job_id = sbatch(paths.sbatch_script)
+    kill_at_step(paths, job_id, "generator", 1, step)
+    states = wait_for_job(job_id, timeout_s=400)
+    logs = {p.name: p.read_text() for p in paths.attempt_log_dir(0).glob("*.log")}
+    assert states["trainers"] == "COMPLETED", (states, {k: v[-1500:] for k, v in logs.items()})
+    metrics = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(steps)), "every step exactly once"
+    assert metrics[0]["engines"] == 2 and metrics[-1]["engines"] == 1
+    fleet = json.loads(paths.fleet.read_text())
+    assert fleet["live"] == [0] and [(e["event"], e["engine"]) for e in fleet["events"]] == [("lost", 1)]
+    assert_each_step_trained_its_own_prompts(paths.root, steps)
+    assert "(slot 1, for a lost engine)" in logs["generator_0.log"]
+
+
+def test_a_killed_trainer_task_requeues_the_job_which_resumes_and_completes(slurm, repo, tmp_path):
+    steps = 10
+    paths = demo_run(repo, tmp_path, f"schedule.steps={steps}", "schedule.eval_every=0", "eval.problems=16",
+                     "schedule.checkpoint_every=3", "cluster.trainers.nodes=2")
+    job_id = sbatch(paths.sbatch_script)
+    kill_at_step(paths, job_id, "trainer", 1, 5)  # past the checkpoint of step 3
+    states = wait_for_job(job_id, timeout_s=400)
+    assert set(states.values()) == {"COMPLETED"}, states
+    assert sorted(paths.attempts()) == [0, 1]
+    script_log = "\n".join(p.read_text() for p in paths.log_dir.glob("*.err"))
+    assert "the trainers failed (exit" in script_log and "requeueing the job to resume from its last checkpoint" in script_log
+    metrics = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(steps)), "every step exactly once across the requeue"
+    assert "resumed from" in paths.task_log(1, "trainer", 0).read_text()
