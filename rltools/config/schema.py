@@ -183,6 +183,9 @@ class GeneratorConfig(Section):
     """An engine silent this long (each generator process beats every second to trainer rank 0) is
     lost: its prompts go to the other engines and the weight-sync group is formed again without it.
     Also how long a failed weight sync waits for an engine to come back."""
+    max_engine_restarts: int = Field(3, ge=0)
+    """How often each generator task starts its engine again after it died (killed, vLLM raising, out
+    of memory): the new engine joins at the next weight sync. 0: a lost engine stays lost."""
     min_engines: int = Field(1, ge=1)
     """Fewest live engines the run goes on with; below it the run stops at a checkpoint and requeues
     itself as on preemption (cluster.requeue)."""

@@ -14,7 +14,9 @@ of every untrained step, including steps it has already passed. When the weight-
 
 import json
 import logging
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +40,7 @@ from ..runtime.roles import (
     sync_rank_base,
 )
 from ..weight_formats import weight_format
+from .supervisor import ENGINE, JOINED
 from .vllm_engine import GroupBroken, GroupDropped, VLLMEngine, request_seed
 
 log = logging.getLogger("rltools.generator")
@@ -61,15 +64,23 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     workers = config.cluster.generators.ntasks * config.generator.tensor_parallel_size
     engine.join_weight_sync(paths, sync_rank_base(config, env.rank), workers, env.attempt, sync_backend())
     Heartbeat(paths, env.attempt, env.rank, config.generator.sync_timeout_s)  # trainer rank 0 sees this engine live
+    if JOINED in os.environ:  # the supervisor restarts an engine only once it got this far
+        Path(os.environ[JOINED]).touch()
     store = RolloutStore(paths, paths.read_run_id())
     schedule = config.schedule
     # Joined: trainer rank 0 has resumed (checkpoint loaded, unusable shards deleted) before hosting.
     start = paths.latest_checkpoint()
     weights = Weights(engine, task, config, paths, version=start - 1 if start else 0)
-    if start:
-        weights.receive(with_eval=False)  # the checkpoint's policy, before any sampling
+    replacing = int(os.environ.get(ENGINE, "0")) > 0  # a lost engine's replacement (`supervisor`)
+    if start or replacing:  # the checkpoint's (or the run's current) policy, before any sampling
+        initial = weights.version
+        while weights.version == initial or weights.dirty:  # until one arrived whole (the group may re-form)
+            weights.receive(with_eval=False)
     elif engine.writes_files:  # the first engine evaluates
         record_eval(paths, evaluate(engine, task, config), 0)
+    if replacing:  # the steps before its slots came back are trained already
+        record = FleetRecord.read(paths)
+        start = max(start, record.assignments[-1][0] if record else 0)
     step = backfill = start  # steps before `backfill` need nothing more from this engine
     assignments = None
     while True:

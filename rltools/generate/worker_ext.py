@@ -5,6 +5,8 @@ each joins the weight-sync group itself and loads what it receives; the generato
 orchestrates. With the in-process CPU engine the "worker" is in the generator's own process.
 """
 
+import os
+
 import torch
 
 from ..paths import RunPaths
@@ -33,8 +35,9 @@ class WeightSyncExtension:
 
         options = SyncOptions(backend=backend, join_timeout_s=timeout_s, collective_timeout_s=timeout_s)
         device = self.device if backend == "nccl" else None
+        replacing = int(os.environ.get("RLTOOLS_ENGINE_RESTART", "0")) > 0  # generate/supervisor.py
         self._rltools_member = SyncMember(RunPaths(run_dir), worker=first_rank + self.rank, workers=workers,
-                                          attempt=attempt, options=options, device=device)
+                                          attempt=attempt, options=options, device=device, replacing=replacing)
         group = self._rltools_member.join()
         self._rltools_receiver = WeightReceiver(group)
         self._rltools_format = format_from_plain(weight_format)

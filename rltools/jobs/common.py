@@ -24,6 +24,10 @@ def run_role(role: str, argv: list[str]) -> int:
     logging.getLogger("rltools").info("%s starting in %s (pid %d)", role, argv[0], os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars in a log file
+    if role == "generator" and "RLTOOLS_ENGINE_RESTART" not in os.environ:
+        from rltools.generate.supervisor import supervise  # it starts this module again as the engine
+
+        return supervise(argv[0])
     import torch
 
     if not torch.cuda.is_available():

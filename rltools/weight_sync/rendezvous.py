@@ -215,7 +215,10 @@ class SyncMember:
     asked to (`join`), as worker id `worker`."""
 
     def __init__(self, paths: RunPaths, *, worker: int, workers: int, attempt: int | str = 0,
-                 options: SyncOptions = SyncOptions(), device: torch.device | None = None):
+                 options: SyncOptions = SyncOptions(), device: torch.device | None = None,
+                 replacing: bool = False):
+        """`replacing`: this process replaces a lost one of the same worker id; until trainer rank 0
+        has declared that one lost (and released its id) it is refused, and asks again."""
         _check(options, workers + 1)
         if not 1 <= worker <= workers:
             raise ValueError(f"weight-sync: sync rank {worker} must be in 1..{workers} (0 is trainer rank 0)")
@@ -231,11 +234,18 @@ class SyncMember:
             self.store = store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                                timeout=timedelta(seconds=_left(deadline)))
             nonce = store.get("nonce").decode()
-            token = secrets.token_hex(16)
-            store.append("joins", f";{worker}:{token}:{_mac(secret, 'join', nonce, worker, token).hex()};")
         except dist.DistError as e:
             raise WeightSyncError(f"weight-sync: could not reach {where} (from {paths.sync_address}): {_first_line(e)}") from e
-        answer = _await_answer(store, token, deadline, f"{where} did not answer the join of sync rank {worker}")
+        while True:
+            token = secrets.token_hex(16)
+            try:
+                store.append("joins", f";{worker}:{token}:{_mac(secret, 'join', nonce, worker, token).hex()};")
+            except dist.DistError as e:
+                raise WeightSyncError(f"weight-sync: could not reach {where}: {_first_line(e)}") from e
+            answer = _await_answer(store, token, deadline, f"{where} did not answer the join of sync rank {worker}")
+            if not (replacing and answer == "refused:rank-taken" and time.monotonic() < deadline):
+                break
+            time.sleep(1.0)  # the lost process still holds the id: its heartbeat has not run out yet
         if answer.startswith("refused:"):
             code = answer.removeprefix("refused:")
             why = REFUSALS[code][1] if code in REFUSALS else f"unknown reason {code!r}"

@@ -88,9 +88,18 @@ def role_pids(run_dir: Path) -> dict[str, int]:
     found = {}
     for role in ("generator", "trainer"):
         out = subprocess.run(["pgrep", "-f", f"rltools.jobs.{role} {run_dir}$"], capture_output=True, text=True).stdout.split()
+        tasks = [pid for pid in out if not _is_engine(pid)]  # a generator task is its supervisor
         if out:
-            found[role] = int(out[0])
+            found[role] = int((tasks or out)[0])
     return found
+
+
+def _is_engine(pid: str) -> bool:
+    """Whether `pid` is the engine a generator task's supervisor runs (`generate/supervisor.py`)."""
+    try:
+        return b"RLTOOLS_ENGINE_RESTART=" in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
 
 
 def wait_gone(run_dir: Path, timeout: float = 120) -> None:

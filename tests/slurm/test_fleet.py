@@ -1,6 +1,7 @@
 """Faults of a multi-node run on the local Slurm, from outside the job as a node would fail: a
-generator task killed with SIGKILL costs throughput, not the run; a trainer task killed with SIGKILL
-requeues the job, which resumes from its checkpoint and completes."""
+generator task killed with SIGKILL (its supervisor and so its engine: no replacement, as when its
+node is gone) costs throughput, not the run; a trainer task killed with SIGKILL requeues the job,
+which resumes from its checkpoint and completes."""
 
 import json
 import random
@@ -16,7 +17,8 @@ from .conftest import demo_run, job_states, sbatch, wait_for_job
 
 
 def role_processes(run_dir, role: str) -> dict[int, int]:
-    """{task rank: pid} of a role's processes (the plain-sbatch command line names the run directory)."""
+    """{task rank: pid} of a role's tasks (the plain-sbatch command line names the run directory); a
+    generator task is its supervisor, not the engine it runs (`generate/supervisor.py`)."""
     found = {}
     pids = subprocess.run(["pgrep", "-f", f"rltools.jobs.{role} {run_dir}$"], capture_output=True, text=True).stdout
     for pid in map(int, pids.split()):
@@ -24,7 +26,8 @@ def role_processes(run_dir, role: str) -> dict[int, int]:
             environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
         except OSError:
             continue  # ended meanwhile
-        found[int(environ["SLURM_PROCID"])] = pid
+        if "RLTOOLS_ENGINE_RESTART" not in environ:
+            found[int(environ["SLURM_PROCID"])] = pid
     return found
 
 
