@@ -56,7 +56,7 @@ def _run(run_dir: str, paths, config, joined: Path) -> int:
         joined.unlink(missing_ok=True)
         engine = subprocess.Popen([sys.executable, "-m", "rltools.jobs.generator", run_dir], env=env,
                                   preexec_fn=_die_with_parent)
-        code = engine.wait()
+        code = _wait(engine, paths, config.schedule.steps, joined if restart else None)
         if code in (0, 2, -signal.SIGTERM):
             return code if code >= 0 else 0
         if not joined.exists():  # vLLM refused to start, say: it would again, each time
@@ -69,6 +69,19 @@ def _run(run_dir: str, paths, config, joined: Path) -> int:
     log.error("the engine died (exit %d) and generator.max_engine_restarts (%d) allows no more restarts: this task "
               "gives up; the run goes on with the other engines", code, limit)
     return 128 - code if code < 0 else code  # a signal's death as a shell reports it (SIGKILL: 137)
+
+
+def _wait(engine: subprocess.Popen, paths, steps: int, joined: Path | None) -> int:
+    """The engine's exit code. A replacement (`joined` given) still starting when the trainers finish
+    has nothing left to do: it is stopped (it would wait for a trainer that is gone)."""
+    while True:
+        try:
+            return engine.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            if joined is not None and not joined.exists() and _trained(paths) >= steps:
+                log.info("the run ended before the restarted engine joined it: stopping it")
+                engine.terminate()
+                return engine.wait()
 
 
 def _trained(paths) -> int:

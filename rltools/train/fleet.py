@@ -130,6 +130,8 @@ class Fleet:
         whose heartbeat goes stale first (or that is not back by the deadline) is lost."""
         deadline = time.monotonic() + self.timeout_s
         while True:
+            if self.stopping():  # the run stops on a signal: the engines are leaving, not lost
+                raise WeightSyncError("weight-sync: the run is stopping; the group is not formed again")
             ready = self.host.ready()
             waiting = [e for e in self.record.live if not self._workers(e) <= ready]
             stale = {e: age for e, age in self.beats.stale(waiting).items()}

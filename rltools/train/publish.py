@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..paths import RunPaths
 from ..policy_exports import PolicyWriter
 from ..runtime import faults
-from ..runtime.preempt import StopFlag, Stopped
+from ..runtime.preempt import StopFlag
 from ..runtime.probe import check_gap, probe_tokens, write_probe
 from ..runtime.role_env import RoleEnv
 from ..runtime.roles import sync_backend
@@ -45,8 +45,8 @@ class Publisher:
         each live engine measured under it (`runtime.probe`); (0, None) on other ranks. A gap beyond
         generator.max_logprob_gap stops the run (RuntimeError naming it). When the fleet lost an
         engine during the broadcast, every trainer rank exports the weights again and rank 0 sends
-        them to the re-formed group; fewer engines than generator.min_engines stop the run at a
-        checkpoint (Stopped on every rank)."""
+        them to the re-formed group; fewer engines than generator.min_engines request a stop at a
+        checkpoint (`StopFlag.request`)."""
         faults.point("trainer.sync", version)
         probe = self.backend.trainer.probe_logprobs(self.probe)  # every rank: a forward pass of the trainers
         if self.env.rank == 0 and probe is not None:
@@ -89,14 +89,13 @@ class Publisher:
         return _AGAIN if outcome is None else outcome
 
     def _agree_to_send_again(self, again: bool) -> bool:
-        """Whether rank 0 must send this version again (collective: every rank exports it again), or
-        Stopped on every rank when rank 0 decided to stop."""
-        flags = torch.tensor([int(again), int(self.stop.requested and self.env.rank == 0)])
+        """Whether rank 0 must send this version again (collective: every rank exports it again). A
+        stop (a signal, or too few engines: `stop.request`) takes effect at the loop's next safe
+        point, where the ranks agree on it with the steps done counted right."""
+        flag = torch.tensor([int(again)])
         if self.env.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[1]:
-            raise Stopped(self.stop.received or "trainer rank 0's decision")
-        return bool(flags[0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _judge(self, version: int, gaps: dict[int, float]) -> list[float] | None:
         """Each engine's gap (the largest over its TP workers), in engine order; beyond
