@@ -93,4 +93,11 @@ def _trained(paths) -> int:
 
 
 def _die_with_parent() -> None:
+    """In the engine before exec: SIGTERM when the supervisor dies; and the preemption warning
+    ignored until the engine's own handlers are in place (`scancel --signal=USR2` reaches every
+    process of the task, and its default action kills an interpreter still starting)."""
+    from ..runtime.preempt import CANDIDATES
+
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    for signum in CANDIDATES:
+        signal.signal(signum, signal.SIG_IGN)

@@ -79,6 +79,8 @@ def run_submitted(run_dir: str) -> str:
     code = run_role(env.role, [run_dir])
     if code in (EXIT_STOPPED, 2):  # stopped at a checkpoint, or bad input: the job script tells them from a crash
         raise SystemExit(code)
+    if code and env.role == "generator":  # its supervisor said why, after the engine's own error: no traceback of ours
+        raise SystemExit(code)
     if code:
         raise RoleFailed(f"{env.role} {env.rank} exited with code {code}; see its log in {run_dir}/slurm/logs")
     return f"{env.role} {env.rank} finished"
