@@ -38,6 +38,7 @@ from ..runtime.roles import (
     prompt_share,
     sync_backend,
     sync_rank_base,
+    sync_workers,
 )
 from ..weight_formats import weight_format
 from .supervisor import ENGINE, JOINED
@@ -61,8 +62,7 @@ def run_generator(run_dir: str) -> None:
 def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config),
                         routing_replay=config.algorithm.routing_replay)
-    workers = config.cluster.generators.ntasks * config.generator.tensor_parallel_size
-    engine.join_weight_sync(paths, sync_rank_base(config, env.rank), workers, env.attempt, sync_backend())
+    engine.join_weight_sync(paths, sync_rank_base(config, env.rank), sync_workers(config), env.attempt, sync_backend())
     Heartbeat(paths, env.attempt, env.rank, config.generator.sync_timeout_s)  # trainer rank 0 sees this engine live
     if JOINED in os.environ:  # the supervisor restarts an engine only once it got this far
         Path(os.environ[JOINED]).touch()

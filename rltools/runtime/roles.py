@@ -8,8 +8,10 @@ produces which prompts of a step (group ids are global, so advantages group corr
 from ..config.schema import RLConfig
 
 
-def sync_world_size(config: RLConfig) -> int:
-    return 1 + config.cluster.generators.ntasks * config.generator.tensor_parallel_size
+def sync_workers(config: RLConfig) -> int:
+    """The generator workers of the weight-sync group: every TP worker of every configured engine
+    (their fixed sync ranks are 1..this; trainer rank 0 is 0)."""
+    return config.cluster.generators.ntasks * config.generator.tensor_parallel_size
 
 
 def sync_rank_base(config: RLConfig, generator_rank: int) -> int:

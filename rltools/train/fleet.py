@@ -17,6 +17,7 @@ import time
 
 from ..paths import RunPaths
 from ..runtime.fleet import FleetRecord, Heartbeats
+from ..runtime.roles import sync_workers
 from ..weight_sync import SyncOptions, WeightSender, WeightSyncError
 from ..weight_sync.rendezvous import SyncHost
 
@@ -35,7 +36,7 @@ class Fleet:
         self.engines = config.cluster.generators.ntasks
         self.timeout_s = gen.sync_timeout_s
         options = SyncOptions(backend=backend, join_timeout_s=gen.sync_timeout_s, collective_timeout_s=gen.sync_timeout_s)
-        self.host = SyncHost(paths, workers=self.engines * self.tp, address=address, attempt=attempt, options=options)
+        self.host = SyncHost(paths, workers=sync_workers(config), address=address, attempt=attempt, options=options)
         self.beats = Heartbeats(self.host.store, gen.heartbeat_timeout_s)
         self.record = FleetRecord.start(self.engines)
         self.record.write(paths)  # before any engine joins: none reads an earlier attempt's record
@@ -134,7 +135,7 @@ class Fleet:
                 raise WeightSyncError("weight-sync: the run is stopping; the group is not formed again")
             ready = self.host.ready()
             waiting = [e for e in self.record.live if not self._workers(e) <= ready]
-            stale = {e: age for e, age in self.beats.stale(waiting).items()}
+            stale = self.beats.stale(waiting)
             if time.monotonic() >= deadline:
                 stale = {e: self.timeout_s for e in waiting}
             if stale:

@@ -6,7 +6,8 @@ moves named tensors over it (`rltools bench weights` measures it against a plain
 
 from .channel import StaleVersionError, TensorStream, Transfer, WeightSender
 from .receiver import WeightReceiver
-from .rendezvous import SyncGroup, SyncOptions, WeightSyncError, bound_store, host_group, join_group
+from .rendezvous import SyncGroup, SyncOptions, host_group, join_group
+from .store import WeightSyncError, bound_store
 
 __all__ = [
     "StaleVersionError",
