@@ -26,7 +26,7 @@ def recorded(run_dir, step):
     return json.loads((run_dir / "eval" / f"step_{step}.json").read_text())
 
 
-def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, capsys):
+def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, capsys, one_process_vllm):
     run_dir = tmp_path / "run"
     result = submit(repo, run_dir, "schedule.steps=4", "schedule.eval_every=2", "eval.problems=48")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -45,7 +45,7 @@ def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, ca
     assert [line["step"] for line in log] == [0, 2, 4] and log[2]["avg_at_k"] == latest["avg_at_k"]
 
 
-def test_lora_adapter_over_a_jsonl_dataset_with_a_custom_reward(repo, tmp_path, capsys):
+def test_lora_adapter_over_a_jsonl_dataset_with_a_custom_reward(repo, tmp_path, capsys, one_process_vllm):
     data = tmp_path / "arith.jsonl"
     rows = [{"question": f"What is {a}+{b}?", "target": a + b} for a in range(10, 40, 3) for b in (4, 21)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:5]))  # 5 repeats: dropped by dedupe

@@ -15,7 +15,7 @@ def submit(repo, run_dir, *overrides, timeout=600):
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=repo)
 
 
-def test_a_failing_generator_stops_the_run_and_shows_its_error(repo, tmp_path):
+def test_a_failing_generator_stops_the_run_and_shows_its_error(repo, tmp_path, one_process_vllm):
     # 1 KiB of KV cache cannot hold one sequence: the vLLM engine refuses to start.
     result = submit(repo, tmp_path / "run", "generator.kv_cache_memory_bytes=1024", "schedule.steps=2")
     assert result.returncode == 1, result.stderr[-2000:]
@@ -47,10 +47,11 @@ def test_demo_learns(learned):
     assert late > early, f"training reward {early:.3f} -> {late:.3f}"
 
 
-def test_the_same_seed_gives_the_same_rewards_on_a_loaded_machine(repo, tmp_path, learned):
+def test_the_same_seed_gives_the_same_rewards_on_a_loaded_machine(repo, tmp_path, learned, one_process_vllm):
     """The run is deterministic: a generator running ahead (max_staleness 1) samples step k with
     exactly policy version k-1, however slow either role is, and every request's seed is fixed. So
-    the README's figures are reproducible, and any change to them is a change of the code."""
+    the README's figures are reproducible, and any change to them is a change of the code. This run
+    has vLLM in one process, the learned one its engine-core process: they sample the same tokens."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]  # both cores busy
     try:
         result = submit(repo, tmp_path / "run", "schedule.steps=12", "schedule.eval_every=150")
@@ -81,7 +82,7 @@ def test_lora_weight_sync_serves_exactly_the_trainers_adapter(repo, tmp_path):
     assert sorted(p.name for p in (run_dir / "probes").iterdir()) == ["probe_v3.json", "probe_v4.json"]
 
 
-def test_a_generator_serving_another_policy_than_the_trainers_stops_the_run_naming_the_gap(repo, tmp_path):
+def test_a_generator_serving_another_policy_than_the_trainers_stops_the_run_naming_the_gap(repo, tmp_path, one_process_vllm):
     """The probe check, made to fire: with generator.max_logprob_gap below float32 noise, the first
     sync's gap (~1e-6) is "another policy". Trainer rank 0 stops the run, naming the engine and the
     gap; a real mismatch (an adapter vLLM does not apply) differs by far more than numerics."""

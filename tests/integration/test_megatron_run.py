@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from .conftest import ONE_PROCESS
 from .test_local_launcher import submit
 
 STEPS = 12
@@ -22,10 +23,16 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+pytestmark = pytest.mark.usefixtures("one_process_vllm")  # the trainers are under test, not vLLM
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(repo, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fsdp")
-    fsdp = submit(repo, run_dir, *COMMON)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in ONE_PROCESS.items():
+            env.setenv(name, value)
+        fsdp = submit(repo, run_dir, *COMMON)
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     return run_dir
 

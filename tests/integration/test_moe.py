@@ -9,6 +9,7 @@ The checkpoints are untrained, made in a second by the project script (no traine
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,7 @@ import sys, unittest.mock
 import rltools.generate.vllm_engine as vllm_engine
 from tests.integration import test_moe
 with unittest.mock.patch.object(vllm_engine, "_cpu_mla_rotary", lambda config: {}):
-    print(test_moe.gap_on_sharp_weights(test_moe.ModelConfig(path=sys.argv[1], dtype="float32")))
+    print("rotary-kernel-gap", test_moe.gap_on_sharp_weights(test_moe.ModelConfig(path=sys.argv[1], dtype="float32")))
 """
 
 
@@ -222,7 +223,10 @@ def test_vllm_cpu_serves_sharp_mla_and_moe_weights_as_transformers_computes_them
     control = subprocess.run([sys.executable, "-c", KERNEL_ROTARY, mla.path], capture_output=True, text=True,
                              cwd=repo, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert control.returncode == 0, control.stderr[-2000:]
-    kernel = float(control.stdout.split()[-1])
+    # vLLM logs to stdout too, before and after the figure (its shutdown says "cleanup" on some hosts)
+    gaps = re.findall(r"^rotary-kernel-gap (\S+)$", control.stdout, re.MULTILINE)
+    assert len(gaps) == 1, control.stdout[-2000:]
+    kernel = float(gaps[0])
     moe = make_moe(tmp_path / "moe", init_std=0.3)
     config_file = Path(moe.path) / "config.json"
     config = json.loads(config_file.read_text())
@@ -240,10 +244,10 @@ def rltools(repo, *argv, env=None):
     import sys
 
     return subprocess.run([sys.executable, "-m", "rltools", *argv], capture_output=True, text=True, timeout=900,
-                          cwd=repo, env={**os.environ, **(env or {})})
+                          cwd=repo, env={**os.environ, **(env or {})})  # os.environ: `one_process_vllm` too
 
 
-def test_the_rl_job_on_a_moe_trains_on_policy_checkpoints_and_resumes(repo, moe, tmp_path):
+def test_the_rl_job_on_a_moe_trains_on_policy_checkpoints_and_resumes(repo, moe, tmp_path, one_process_vllm):
     """The demo's job on the MoE, adapted-layers weight sync (what configs/moe-demo.yaml uses),
     on-policy: the trainer's recomputed logprobs equal vLLM's at every step (so the partial reloads
     and names are right), a trainer killed at step 4 resumes from its checkpoint to the end with

@@ -78,7 +78,7 @@ def test_dapo_overlong_penalty_and_mask_reach_the_loss(tiny_model):
     assert plain.step(long_batch)["loss"] != pytest.approx(penalised.step(long_batch)["loss"], abs=1e-7)
 
 
-def test_three_steps_of_staleness_survive_a_trainer_crash_and_resume(repo, tmp_path):
+def test_three_steps_of_staleness_survive_a_trainer_crash_and_resume(repo, tmp_path, one_process_vllm):
     """max_staleness 3 (the generator up to three policy versions ahead) with the decoupled-PPO
     correction: a trainer killed at step 9 resumes from its checkpoint; every step is trained once,
     none on rollouts more than 3 versions old, and the staleness histogram reaches 3."""
@@ -110,7 +110,7 @@ def test_three_steps_of_staleness_survive_a_trainer_crash_and_resume(repo, tmp_p
     assert "steps trained on rollouts k versions behind:" in rltools("status", str(run_dir)).stdout
 
 
-def test_dynamic_sampling_replaces_groups_that_teach_nothing(repo, tmp_path):
+def test_dynamic_sampling_replaces_groups_that_teach_nothing(repo, tmp_path, one_process_vllm):
     """DAPO's dynamic sampling on the demo: a step keeps a group whose rewards are all equal only once
     the generator has drawn its last extra round; the control run (same seed, without it) has such
     groups at steps where dynamic sampling had none."""

@@ -96,7 +96,7 @@ def test_a_slow_tool_does_not_hold_up_the_other_samples(engine, monkeypatch):
     assert most[0] >= 2 and wall < 0.3 * tool_calls, f"{tool_calls} calls of 0.3 s took {wall:.1f} s in all"
 
 
-def test_the_tool_demo_learns_to_call_the_calculator_and_resumes(repo, tmp_path):
+def test_the_tool_demo_learns_to_call_the_calculator_and_resumes(repo, tmp_path, one_process_vllm):
     """Ctrl-C after a few steps, resume, then at the end: every step once, the tool-call rate and
     held-out avg@8 far up (the demo: 0.19 -> 0.92 in 40 steps)."""
     run_dir = tmp_path / "run"
