@@ -192,6 +192,16 @@ class RunPaths:
         return self.root / "fleet.json"
 
     @property
+    def resumed(self) -> Path:
+        """What the trainers of the latest start loaded: {"step", "set_aside": [notes], "time"}."""
+        return self.root / "resumed.json"
+
+    @property
+    def joins(self) -> Path:
+        """The Slurm jobs `rltools join` added to the fleet, and the engine numbers each one took."""
+        return self.root / "joins.json"
+
+    @property
     def trainer_address(self) -> Path:
         """Where trainer rank 0 publishes the trainers' own process-group store."""
         return self.root / "trainer_group.json"

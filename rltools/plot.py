@@ -30,7 +30,7 @@ def plot_run(paths: RunPaths, output: Path) -> None:
 
     steps = [m["step"] + 1 for m in metrics]
     evals = read_evals(paths)
-    panels = [p for p in (_held_out, _reward, _tools, _policy, _timing) if p.wanted(metrics, evals)]
+    panels = [p for p in (_held_out, _reward, _tools, _policy, _fleet, _timing) if p.wanted(metrics, evals)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.9 * len(panels)), sharex=True, squeeze=False)
     for panel, ax in zip(panels, axes[:, 0]):
         panel.draw(ax, steps, metrics, evals)
@@ -160,6 +160,29 @@ class _policy:
             more = right.get_legend_handles_labels()
             lines, labels = lines + more[0], labels + more[1]
         ax.legend(lines, labels, loc="upper right", fontsize=8)
+
+
+class _fleet:
+    """Runs whose generator engines changed (lost, replaced, joined): live engines after each step,
+    and the samples generated for a lost engine's slots."""
+
+    @staticmethod
+    def wanted(metrics, evals) -> bool:
+        return len({m.get("engines") for m in metrics} - {None}) > 1 or any(m.get("reassigned_samples") for m in metrics)
+
+    @staticmethod
+    def draw(ax, steps, metrics, evals):
+        ax.step(steps, [m.get("engines", float("nan")) for m in metrics], where="post", color="C0",
+                label="live generator engines")
+        ax.set_ylim(0, max(m.get("engines", 1) for m in metrics) + 1)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.set_title("generator fleet")
+        right = ax.twinx()
+        right.bar(steps, [m.get("reassigned_samples", 0) for m in metrics], color="C3", alpha=0.5,
+                  label="samples generated for a lost engine")
+        lines, labels = ax.get_legend_handles_labels()
+        more = right.get_legend_handles_labels()
+        ax.legend(lines + more[0], labels + more[1], loc="lower left", fontsize=8)
 
 
 class _timing:

@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
     logs.set_defaults(func=cmd_logs)
 
+    join = commands.add_parser("join", help="add generator engines to a running Slurm run, as a job of their own")
+    join.add_argument("run_dir", type=Path, help="the run directory (run.dir) of a running run")
+    join.add_argument("--nodes", type=int, required=True, help="nodes of engines (cluster.generators.ntasks_per_node each)")
+    join.add_argument("--time", dest="time_limit", metavar="TIME", help="the join job's time limit (default: cluster.time); its "
+                      "engines leave the run when it ends")
+    join.add_argument("--partition", help="the join job's partition (default: the generators')")
+    join.set_defaults(func=cmd_join)
+
     cancel = commands.add_parser("cancel", help="stop a run's Slurm job (all components)")
     cancel.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
     cancel.set_defaults(func=cmd_cancel)
@@ -177,7 +185,8 @@ def cmd_resume(args) -> int:
     if done >= config.schedule.steps:
         print(f"{paths.root} is complete: its checkpoint holds all {done} steps", file=sys.stderr)
         return 0
-    print(f"resuming {paths.root} after {done} of {config.schedule.steps} steps" if done else
+    print(f"resuming {paths.root}: its latest checkpoint holds {done} of {config.schedule.steps} steps (the trainers "
+          "check it before they load it, and say which one they loaded)" if done else
           f"no checkpoint in {paths.root}: starting from step 0", file=sys.stderr)
     return launch(config, render_sbatch(config), args.wait, by="rltools resume", may_change=("cluster",))
 
@@ -267,6 +276,21 @@ def cmd_logs(args) -> int:
         show_logs(open_run(args.run_dir), args.role, args.rank, args.follow, args.attempt)
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def cmd_join(args) -> int:
+    from ..jobs.common import run_submitted
+    from ..launch.join import join_logs, join_run
+    from ..monitor.status import open_run
+
+    paths = open_run(args.run_dir)
+    join = join_run(paths, args.nodes, run_submitted, time_limit=args.time_limit, partition=args.partition)
+    last = join.first_engine + join.engines - 1
+    print(f"submitted join job {join.job_id}: generator engine(s) {join.first_engine}"
+          + (f"-{last}" if last > join.first_engine else "") + f" join {paths.root} at its next weight sync; "
+          f"`rltools status {paths.root}` lists them, `scancel {join.job_id}` takes them out again; "
+          f"their logs: {join_logs(paths, join.first_engine)}", file=sys.stderr)
     return 0
 
 

@@ -186,6 +186,11 @@ class GeneratorConfig(Section):
     max_engine_restarts: int = Field(3, ge=0)
     """How often each generator task starts its engine again after it died (killed, vLLM raising, out
     of memory): the new engine joins at the next weight sync. 0: a lost engine stays lost."""
+    slots: int | None = Field(None, ge=1)
+    """Parts each step's prompts are cut into (each delivered as one rollout shard by one engine);
+    default: one per configured engine. More slots than engines leave work for engines that join the
+    run from outside (`rltools join`), and spread a lost engine's prompts more evenly; each slot
+    costs one shard a step."""
     min_engines: int = Field(1, ge=1)
     """Fewest live engines the run goes on with; below it the run stops at a checkpoint and requeues
     itself as on preemption (cluster.requeue)."""
@@ -319,6 +324,11 @@ class RLConfig(Section):
         if self.generator.min_engines > engines:
             raise ValueError(f"generator.min_engines {self.generator.min_engines} exceeds the {engines} generator "
                              "engine(s) configured (cluster.generators: nodes x ntasks_per_node)")
+        slots = self.generator.slots
+        if slots is not None and not engines <= slots <= self.schedule.prompts_per_step:
+            raise ValueError(f"generator.slots {slots} must be at least the {engines} generator engine(s) configured "
+                             f"and at most schedule.prompts_per_step ({self.schedule.prompts_per_step}): each slot "
+                             "holds at least one prompt, each engine at least one slot")
         return self
 
     @model_validator(mode="after")

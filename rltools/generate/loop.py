@@ -23,19 +23,22 @@ import numpy as np
 from ..config import load_config
 from ..data.tasks import make_task
 from ..durable import append_line, atomic_write
+from ..errors import UserError
 from ..eval.metrics import summarize
 from ..metrics import write_scalars
 from ..paths import RunPaths
 from ..rollout import FinishReason, RolloutBatch, RolloutStore, Sample
 from ..runtime import faults
-from ..runtime.preempt import generator_signals
+from ..runtime.address import published_attempt
 from ..runtime.fleet import FleetRecord, Heartbeat
+from ..runtime.preempt import before_leaving, generator_signals
 from ..runtime.probe import probe_gap, read_probe
 from ..runtime.role_env import RoleEnv
 from ..runtime.roles import (
     eval_due,
     group_id,
     prompt_share,
+    slots,
     sync_backend,
     sync_rank_base,
     sync_workers,
@@ -62,8 +65,16 @@ def run_generator(run_dir: str) -> None:
 def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config),
                         routing_replay=config.algorithm.routing_replay)
-    engine.join_weight_sync(paths, sync_rank_base(config, env.rank), sync_workers(config), env.attempt, sync_backend())
-    Heartbeat(paths, env.attempt, env.rank, config.generator.sync_timeout_s)  # trainer rank 0 sees this engine live
+    attempt = env.attempt
+    if env.joined:  # a job of its own (`rltools join`): it joins the start of the run that is running
+        attempt = published_attempt(paths.sync_address)
+        if attempt is None:
+            raise UserError(f"{paths.root} has no running trainer to join (no {paths.sync_address})")
+    engine.join_weight_sync(paths, sync_rank_base(config, env.rank), sync_workers(config), attempt, sync_backend())
+    heartbeat = Heartbeat(paths, attempt, env.rank, config.generator.sync_timeout_s,  # trainer rank 0 sees it live
+                          where={"node": env.node, "job": env.job_id})
+    if env.joined:  # its job ends apart from the run's (time limit, scancel): its slots go to the others at once
+        before_leaving(heartbeat.leave)  # (the run's own engines end with the run: no race with its stop)
     if JOINED in os.environ:  # the supervisor restarts an engine only once it got this far
         Path(os.environ[JOINED]).touch()
     store = RolloutStore(paths, paths.read_run_id())
@@ -71,14 +82,15 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     # Joined: trainer rank 0 has resumed (checkpoint loaded, unusable shards deleted) before hosting.
     start = paths.latest_checkpoint()
     weights = Weights(engine, task, config, paths, version=start - 1 if start else 0)
-    replacing = int(os.environ.get(ENGINE, "0")) > 0  # a lost engine's replacement (`supervisor`)
-    if start or replacing:  # the checkpoint's (or the run's current) policy, before any sampling
+    # mid-run: a lost engine's replacement (`supervisor`), or an engine of a join job
+    arriving = int(os.environ.get(ENGINE, "0")) > 0 or env.joined
+    if start or arriving:  # the checkpoint's (or the run's current) policy, before any sampling
         initial = weights.version
         while weights.version == initial or weights.dirty:  # until one arrived whole (the group may re-form)
             weights.receive(with_eval=False)
     elif engine.writes_files:  # the first engine evaluates
         record_eval(paths, evaluate(engine, task, config), 0)
-    if replacing:  # the steps before its slots came back are trained already
+    if arriving:  # the steps before it had slots are trained already
         record = FleetRecord.read(paths)
         start = max(start, record.assignments[-1][0] if record else 0)
     step = backfill = start  # steps before `backfill` need nothing more from this engine
@@ -88,7 +100,7 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
             weights.receive()
             continue
         if step < schedule.steps:
-            record = FleetRecord.read(paths) or FleetRecord.start(config.cluster.generators.ntasks)
+            record = FleetRecord.read(paths) or FleetRecord.start(config.cluster.generators.ntasks, slots(config))
             if record.assignments != assignments:  # reassigned from that step on: maybe slots of steps passed
                 assignments = record.assignments
                 backfill = min(backfill, record.assignments[-1][0])
@@ -97,11 +109,13 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
             if not todo:
                 step += 1
                 continue
-            at, slot = todo[0]
+            at = todo[0][0]
             if at - weights.version > schedule.max_staleness:
                 weights.receive()
                 continue
-            generate_slot(engine, task, config, store, at, slot, weights.version, own=slot == env.rank)
+            mine = [slot for when, slot in todo if when == at]
+            generate_slots(engine, task, config, store, at, mine, weights.version,
+                           covering=[slot for slot in mine if record.home(slot) not in record.live])
             continue
         if weights.version >= schedule.steps:
             break
@@ -115,23 +129,27 @@ def work(record: FleetRecord, engine: int, since: int, step: int, paths: RunPath
             if not paths.rollout_shard(at, slot).exists()]
 
 
-def generate_slot(engine: VLLMEngine, task, config, store: RolloutStore, step: int, slot: int, version: int,
-                  own: bool) -> None:
-    """Generate and write slot `slot` of step `step` (its prompts: `roles.prompt_share`)."""
+def generate_slots(engine: VLLMEngine, task, config, store: RolloutStore, step: int, slots: list[int], version: int,
+                   covering: list[int]) -> None:
+    """Generate slots `slots` of step `step` (their prompts: `roles.prompt_share`) in one batch of
+    requests, and write each slot's shard; `covering`: those whose home engine was lost."""
     faults.point("generator.sample", step)
     schedule = config.schedule
-    share = list(prompt_share(config, slot))
+    shares = [list(prompt_share(config, slot)) for slot in slots]
     start = time.perf_counter()
-    groups = sample_groups(engine, task, config, step, 0, share, task.train_problems(step, schedule.prompts_per_step))
-    drawn = len(share)
-    if config.algorithm.dynamic_sampling:
-        groups, drawn = replace_uniform_groups(engine, task, config, step, share, groups)
-    batch = RolloutBatch.from_samples([sample for group in groups for sample in group], policy_version=version,
-                                      generation_seconds=time.perf_counter() - start, prompts_drawn=drawn)
-    store.write(step, slot, batch)
-    whose = "" if own else f" (slot {slot}, for a lost engine)"
-    log.info("step %d: %d samples%s, policy version %d, reward %.3f", step, len(batch), whose, version,
-             batch.rewards.mean())
+    groups = iter(sample_groups(engine, task, config, step, 0, [i for share in shares for i in share],
+                                task.train_problems(step, schedule.prompts_per_step)))
+    seconds = time.perf_counter() - start  # each slot's: they were generated together
+    for slot, share in zip(slots, shares):
+        mine, drawn = [next(groups) for _ in share], len(share)
+        if config.algorithm.dynamic_sampling:
+            mine, drawn = replace_uniform_groups(engine, task, config, step, share, mine)
+        batch = RolloutBatch.from_samples([sample for group in mine for sample in group], policy_version=version,
+                                          generation_seconds=seconds, prompts_drawn=drawn)
+        store.write(step, slot, batch)
+        whose = f" (slot {slot}, for a lost engine)" if slot in covering else f" (slot {slot})" if len(slots) > 1 else ""
+        log.info("step %d: %d samples%s, policy version %d, reward %.3f", step, len(batch), whose, version,
+                 batch.rewards.mean())
 
 
 class Weights:

@@ -218,31 +218,34 @@ def minutes(slurm_time: str) -> int:
     return max(1, -(-total_s // 60))
 
 
-class EvalExecutor(submitit.SlurmExecutor):
-    """`rltools eval` as a Slurm job: one task on the generator component's resources. A plain job, so
-    submitit writes the script itself; ours are the state watcher and the resources taken from the config."""
+class GeneratorJobExecutor(submitit.SlurmExecutor):
+    """A plain job on the generator component's kind of node: `rltools eval` (one task) and `rltools join`
+    (engines for a running run). submitit writes the script itself; ours are the state watcher and
+    the resources taken from the config."""
 
     job_class = SqueueJob
 
-    def __init__(self, config: RLConfig, paths: RunPaths):
-        folder = paths.slurm_dir / "submitit" / "eval"
+    def __init__(self, config: RLConfig, paths: RunPaths, name: str, *, nodes: int = 1, ntasks_per_node: int = 1,
+                 time_limit: str | None = None, partition: str | None = None, environment: dict[str, str] | None = None):
+        folder = paths.slurm_dir / "submitit" / name
         folder.mkdir(parents=True, exist_ok=True)
         cluster, gens = config.cluster, config.cluster.generators
         # In a container: apptainer's prefix goes before the interpreter, pyxis's options on submitit's srun line.
         python = [*container.exec_prefix(config, gpus=gens.gpus_per_node > 0), container.python(config)]
         super().__init__(folder=folder, max_num_timeout=0, python=" ".join(shlex.quote(word) for word in python))
         extra = {"mem": gens.mem} if gens.mem is not None else {}
+        exports = {**cluster.environment, **(environment or {})}
         self.update_parameters(
-            job_name=f"{config.run.name}-eval",
-            partition=gens.partition or cluster.partition,
+            job_name=f"{config.run.name}-{name}",
+            partition=partition or gens.partition or cluster.partition,
             account=cluster.account,
             qos=cluster.qos,
-            time=minutes(cluster.time),
-            nodes=1,
-            ntasks_per_node=1,
+            time=minutes(time_limit or cluster.time),
+            nodes=nodes,
+            ntasks_per_node=ntasks_per_node,
             cpus_per_task=gens.cpus_per_task,
             gpus_per_node=gens.gpus_per_node or None,
-            setup=[*cluster.setup, *(f"export {k}={shlex.quote(v)}" for k, v in sorted(cluster.environment.items()))],
+            setup=[*cluster.setup, *(f"export {k}={shlex.quote(v)}" for k, v in sorted(exports.items()))],
             srun_args=[f"{option}={value}" for option, value in container.srun_options(config)],
             additional_parameters=extra,
         )
@@ -253,4 +256,4 @@ def submit_eval_job(config: RLConfig, paths: RunPaths, run_eval: Callable, check
     """Submit `run_eval(config, checkpoint, k, problems, paths)` as a one-task Slurm job; `job.result()`
     is its summary."""
     _require_sbatch("or evaluate with --local on a machine that can run vLLM")
-    return EvalExecutor(config, paths).submit(run_eval, config, checkpoint, k, problems, paths)
+    return GeneratorJobExecutor(config, paths, "eval").submit(run_eval, config, checkpoint, k, problems, paths)

@@ -31,6 +31,7 @@ class Progress:
         self.recent = deque(maxlen=20)  # (step, time) of the latest records: the ETA's pace
         self.known = {_record_key(m) for m in self._new_records()}  # history
         self.shown_evals = dict(eval_files(paths))  # step -> mtime of the result file, history too
+        self.resumed = _mtime(paths.resumed)  # the trainers' record of what they loaded, history too
 
     def update(self) -> None:
         lines = []  # (steps done, is an eval, text): an eval after k steps prints right after step k
@@ -47,14 +48,30 @@ class Progress:
                 result = read_json(self.paths.eval_result(step))
                 if result:
                     lines.append((step, True, eval_line(step, result)))
+        resumed = self._resumed()
         if self.quiet:
             return
+        if resumed:
+            _print(("\n" if self.tty and self.printed else "") + resumed)
         for _, is_eval, text in sorted(lines, key=lambda item: item[:2]):
             if is_eval:
                 _print(("\n" if self.tty else "") + text)
             else:
                 _print(("\r" + text) if self.tty else text, end="" if self.tty else "\n")
             self.printed = True
+
+    def _resumed(self) -> str | None:
+        """A line for a start whose trainers resumed from a checkpoint, once they decided which."""
+        mtime = _mtime(self.paths.resumed)
+        if mtime == self.resumed:
+            return None
+        self.resumed = mtime
+        record = read_json(self.paths.resumed)
+        if not record or not (record["step"] or record["set_aside"]):
+            return None  # a fresh start: nothing to say
+        line = (f"the trainers resumed from the checkpoint after {record['step']} steps" if record["step"]
+                else "the trainers start from step 0: no checkpoint passed its checks")
+        return line + "".join(f"\n  set aside: {note}" for note in record["set_aside"])
 
     def finish(self) -> None:
         if self.quiet:
@@ -84,6 +101,13 @@ class Progress:
         return parse_records(complete.decode(errors="replace"))
 
 
+def _mtime(path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def _record_key(record: dict) -> tuple:
     return record["step"], record.get("time")
 
@@ -107,6 +131,9 @@ def step_line(done: int, total: int, m: dict | None = None, timings: bool = Fals
         line += f" reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} kl {m.get('kl', 0):.4f}"
         if "tool_call_rate" in m:  # multi-turn: how often the policy calls its tools, and how often they fail
             line += f" tools {m['tool_call_rate']:.2f} (errors {m['tool_error_rate']:.2f})"
+        if m.get("engines", 1) != 1 or m.get("reassigned_samples"):  # a fleet: how many engines generate
+            line += f" | engines {m['engines']}" + (f" ({m['reassigned_samples']} samples for a lost one)"
+                                                     if m.get("reassigned_samples") else "")
         if timings:
             line += (f" | {m['gen_tokens_per_s']:.0f} tok/s | gen {m['generation_s']:.2f}s "
                      f"train {m['training_s']:.2f}s sync {m['sync_s']:.2f}s")

@@ -17,11 +17,11 @@ from ..errors import UserError
 from ..launch.run_lock import is_held
 from ..launch.slurm import ACTIVE, job_state
 from ..paths import ROLES, RunPaths
-from ..runtime.fleet import FleetRecord
+from ..runtime.fleet import LEFT, FleetRecord, joined_engines
 from ..runtime.preempt import EXIT_STOPPED
 from .logs import failing_log_tail
 from .progress import eta, step_line
-from .records import read_evals, read_metrics
+from .records import read_evals, read_json, read_metrics
 
 COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
 UNSEEN_S = 120.0  # a submitted job squeue has not shown by then is not going to appear
@@ -66,7 +66,10 @@ class RunStatus:
     """How many steps trained on rollouts k policy versions old, by k (schedule.max_staleness bounds k)."""
     engines: dict | None = None
     """The generator fleet (fleet.json): {"configured", "live": [engine, ...], "events": [{"event":
-    "lost", "engine", "step", "why", "time"}, ...]}; None before trainer rank 0 formed it."""
+    "lost", "engine", "step", "why", "time"}, ...], "pool": `engine_pool`}; None before trainer rank 0
+    formed it."""
+    resumed: dict | None = None
+    """What the trainers of the latest start loaded: {"step", "set_aside": [notes], "time"}."""
     failed_component: str | None = None
     """The component whose role failed first ("generators" or "trainers"), when the run failed."""
     log_tail: str | None = None
@@ -107,9 +110,11 @@ def run_status(paths: RunPaths) -> RunStatus:
         checkpoint=paths.latest_checkpoint(),
         staleness=dict(sorted(Counter(m["staleness"] for m in metrics if "staleness" in m).items())),
     )
+    status.resumed = read_json(paths.resumed)
     fleet = FleetRecord.read(paths)
     if fleet is not None:
-        status.engines = {"configured": config.cluster.generators.ntasks, "live": fleet.live, "events": fleet.events}
+        status.engines = {"configured": config.cluster.generators.ntasks, "live": fleet.live, "events": fleet.events,
+                          "pool": engine_pool(fleet, joined_engines(paths), config.cluster.generators.ntasks)}
     if job_id:
         job = job_state(job_id)
         status.state, status.components = job["state"], job["components"]
@@ -118,6 +123,25 @@ def run_status(paths: RunPaths) -> RunStatus:
     if attempts:
         _read_exits(status, paths, attempts[-1])
     return status
+
+
+def engine_pool(fleet: FleetRecord, joined: dict[int, dict], configured: int) -> list[dict]:
+    """One entry per engine the run has had: live or not, where, since which step, samples delivered,
+    restarts (a configured engine's starts after its first), the join job it came with."""
+    engines = sorted({*range(configured), *fleet.live, *(e["engine"] for e in fleet.events)})
+    pool = []
+    for engine in engines:
+        events = [e for e in fleet.events if e["engine"] == engine]
+        arrivals = [e for e in events if e["event"] == "joined"]
+        last = events[-1] if events else None
+        why = last.get("why", "") if last and engine not in fleet.live else ""
+        state = "live" if engine in fleet.live else "left" if why.startswith(LEFT) else "lost"
+        pool.append({"engine": engine, "state": state, **({"why": why} if why else {}), "node": fleet.where.get(str(engine), {}).get("node"),
+                     "since_step": arrivals[-1]["step"] if arrivals else 0,
+                     "samples": fleet.delivered.get(str(engine), 0),
+                     "restarts": len(arrivals) if engine < configured else 0,
+                     **({"join_job": joined[engine].get("job_id")} if engine in joined else {})})
+    return pool
 
 
 def _read_exits(status: RunStatus, paths: RunPaths, attempt: int) -> None:
@@ -145,13 +169,27 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"  {name:<11} {component['state']:<11} {where}")
     lines.append(step_line(status.step, status.total_steps, status.last_metrics,
                            eta_s=status.eta_s if status.state in ACTIVE else None))
-    if status.engines and (status.engines["configured"] > 1 or status.engines["events"]):
-        lost = [f"generator {e['engine']} at step {e['step']} ({e.get('why', '')})" for e in status.engines["events"]
-                if e["event"] == "lost"]
-        lines.append(f"generator engines: {len(status.engines['live'])} of {status.engines['configured']} live"
-                     + (f"; lost: {', '.join(lost)}" if lost else ""))
+    if status.engines and (len(status.engines["pool"]) > 1 or status.engines["events"]):
+        engines = status.engines
+        ended = {"lost": [], "left": []}
+        for e in engines["events"]:
+            if e["event"] == "lost":
+                why = e.get("why", "")
+                ended["left" if why.startswith(LEFT) else "lost"].append(
+                    f"generator {e['engine']} at step {e['step']}" + ("" if why.startswith(LEFT) else f" ({why})"))
+        joined = len(engines["pool"]) - engines["configured"]
+        lines.append(f"generator engines: {len(engines['live'])} live ({engines['configured']} configured"
+                     + (f", {joined} joined" if joined else "") + ")"
+                     + "".join(f"; {kind}: {', '.join(names)}" for kind, names in ended.items() if names))
+        for e in engines["pool"]:
+            came = f"join job {e['join_job']}" if "join_job" in e else f"restarts {e['restarts']}"
+            lines.append(f"  engine {e['engine']:<3} {e['state']:<5} on {e['node'] or '?':<10} since step "
+                         f"{e['since_step']:<5} {e['samples']:>7} samples  {came}")
     if status.checkpoint:
         lines.append(f"checkpoint after {status.checkpoint} steps")
+    if status.resumed and status.resumed["set_aside"]:
+        lines.append(f"its latest start resumed from the checkpoint after {status.resumed['step']} steps; set aside: "
+                     + "; ".join(status.resumed["set_aside"]))
     if any(status.staleness):  # some step trained on rollouts of an older policy
         lines.append("steps trained on rollouts k versions behind: " +
                      ", ".join(f"k={k} {n}" for k, n in status.staleness.items()))

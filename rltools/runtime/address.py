@@ -40,3 +40,12 @@ def wait_for_address(path: Path, attempt: int | str, timeout_s: float, publisher
             )
         time.sleep(min(delay, left))
         delay = min(delay * 2, 1.0)
+
+
+def published_attempt(path: Path) -> str | None:
+    """The attempt whose address `path` holds now (None: none published): an engine that joins a
+    running run from a job of its own (`rltools join`) joins whatever start of the run is running."""
+    try:
+        return json.loads(path.read_text()).get("attempt")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

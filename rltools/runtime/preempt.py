@@ -104,6 +104,14 @@ class StopFlag:
             raise Stopped(self.received)
 
 
+_before_leaving: list = []
+
+
+def before_leaving(callback) -> None:
+    """In a generator: run `callback()` when SIGTERM ends the process (tell the trainer it leaves)."""
+    _before_leaving.append(callback)
+
+
 def generator_signals(preempt_signal: str) -> None:
     """Install the generator's behaviour described in the module docstring."""
     warning = getattr(signal, f"SIG{preempt_signal}")
@@ -113,6 +121,8 @@ def generator_signals(preempt_signal: str) -> None:
 
     def leave(signum, frame):
         log.warning("received SIGTERM: stopping")
+        for callback in _before_leaving:
+            callback()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -15,6 +15,8 @@ from typing import Mapping
 from ..errors import UserError
 
 ROLE = "RLTOOLS_ROLE"
+JOINED = "RLTOOLS_FIRST_ENGINE"
+"""Set in the tasks of a job `rltools join` submitted: the first engine number that job took."""
 # Hetjob component indices, for the Slurm and the local launcher alike (launch.plan lays the job out so)
 GENERATOR_GROUP = 0
 TRAINER_GROUP = 1
@@ -40,6 +42,8 @@ class RoleEnv:
     """0 on the first start, +1 per requeue or resume."""
     job_id: str | None
     """Slurm job id of the hetjob leader (None under the local launcher)."""
+    joined: bool = False
+    """A generator of a job `rltools join` submitted: its rank is an engine number past the run's own."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RoleEnv":
@@ -49,7 +53,25 @@ class RoleEnv:
             raise UserError(f"{ROLE}={role!r}: expected generator or trainer")
         if env.get("RLTOOLS_LAUNCHER") == "local" or "SLURM_JOB_ID" not in env:
             return cls._local(env, role)
+        if JOINED in env:
+            return cls._joined(env)
         return cls._slurm(env, role)
+
+    @classmethod
+    def _joined(cls, env: Mapping[str, str]) -> "RoleEnv":
+        """A task of a join job (a plain Slurm job of generators): engine RLTOOLS_FIRST_ENGINE + its task."""
+        return cls(
+            launcher="slurm",
+            role="generator",
+            rank=int(env[JOINED]) + int(_require(env, "SLURM_PROCID")),
+            world_size=int(_require(env, "SLURM_NTASKS")),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            node=env.get("SLURMD_NODENAME") or socket.gethostname(),
+            trainer_host="",  # the run's trainer rank 0 is found through the run directory
+            restart_count=0,
+            job_id=env["SLURM_JOB_ID"],
+            joined=True,
+        )
 
     @classmethod
     def _slurm(cls, env: Mapping[str, str], role: str) -> "RoleEnv":

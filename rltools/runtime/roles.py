@@ -1,8 +1,8 @@
 """What the generator and trainer roles must agree on, in one place.
 
 Invariant: both roles derive these from the same resolved config, never from their own guesses:
-the weight-sync world (trainer rank 0 + every vLLM worker), its backend, and which generator rank
-produces which prompts of a step (group ids are global, so advantages group correctly).
+the weight-sync world (trainer rank 0 + every vLLM worker), its backend, and which prompts of a step
+each slot holds (group ids are global, so advantages group correctly).
 """
 
 from ..config.schema import RLConfig
@@ -41,9 +41,14 @@ def gpu_index(local_rank: int, device_count: int, visible: str | None) -> int:
         "one GPU per task")
 
 
-def prompt_share(config: RLConfig, generator_rank: int) -> range:
-    """Indices of the step's prompts that `generator_rank` generates."""
-    return range(generator_rank, config.schedule.prompts_per_step, config.cluster.generators.ntasks)
+def slots(config: RLConfig) -> int:
+    """Parts of each step's prompts, one rollout shard each (generator.slots; default one per engine)."""
+    return config.generator.slots or config.cluster.generators.ntasks
+
+
+def prompt_share(config: RLConfig, slot: int) -> range:
+    """Indices of the step's prompts in slot `slot`, whichever engine generates it."""
+    return range(slot, config.schedule.prompts_per_step, slots(config))
 
 
 def group_id(config: RLConfig, step: int, prompt_index: int, draw: int = 0) -> int:

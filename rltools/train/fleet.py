@@ -16,8 +16,8 @@ import logging
 import time
 
 from ..paths import RunPaths
-from ..runtime.fleet import FleetRecord, Heartbeats
-from ..runtime.roles import sync_workers
+from ..runtime.fleet import LEFT, FleetRecord, Heartbeats, joined_engines
+from ..runtime.roles import slots, sync_workers
 from ..weight_sync import SyncOptions, WeightSender, WeightSyncError
 from ..weight_sync.rendezvous import SyncHost
 
@@ -36,9 +36,10 @@ class Fleet:
         self.engines = config.cluster.generators.ntasks
         self.timeout_s = gen.sync_timeout_s
         options = SyncOptions(backend=backend, join_timeout_s=gen.sync_timeout_s, collective_timeout_s=gen.sync_timeout_s)
-        self.host = SyncHost(paths, workers=sync_workers(config), address=address, attempt=attempt, options=options)
+        self.host = SyncHost(paths, workers=sync_workers(config), address=address, attempt=attempt, options=options,
+                             may_join=lambda worker: (worker - 1) // self.tp in joined_engines(paths))
         self.beats = Heartbeats(self.host.store, gen.heartbeat_timeout_s)
-        self.record = FleetRecord.start(self.engines)
+        self.record = FleetRecord.start(self.engines, slots(config))
         self.record.write(paths)  # before any engine joins: none reads an earlier attempt's record
         group = self.host.first_group()
         self.sender = WeightSender(group, abandon=self._abandon)
@@ -49,10 +50,23 @@ class Fleet:
     # -- what the trainer loop calls ------------------------------------------------------------
     def check(self, step: int) -> None:
         """While waiting for step `step`'s rollouts: lose the engines whose heartbeat stopped."""
+        if self.stopping():  # the engines leave with the run
+            return
+        left = self.beats.left(self.record.live)
+        if left:
+            self._lose(left, step, f"{LEFT}: its job ends")
+            self._drop_group()
         stale = self.beats.stale(self.record.live)
         if stale:
             self._lose(stale, step, "its heartbeat stopped")
             self._drop_group()
+
+    def trained(self, step: int, slot_sizes) -> FleetRecord:
+        """Step `step` is trained: credit each engine with its samples (`rltools status`)."""
+        self.record.count(step, slot_sizes)
+        self._locate([e for e in self.record.live if not self.record.where.get(str(e))])
+        self.record.write(self.paths)
+        return self.record
 
     def send(self, weights, *, version: int, kind: str, step: int):
         """Broadcast `version` to every live engine and gather their probe gaps: (Transfer, gaps by
@@ -82,7 +96,8 @@ class Fleet:
 
     def _abandon(self) -> str | None:
         stale = self.beats.stale(self.record.live)
-        return ", ".join(f"generator {e}'s heartbeat stopped {age:.0f} s ago" for e, age in stale.items()) or None
+        gone = [f"generator {e} left" for e in self.beats.left(self.record.live)]
+        return ", ".join(gone + [f"generator {e}'s heartbeat stopped {age:.0f} s ago" for e, age in stale.items()]) or None
 
     def _after_failure(self, step: int, err: WeightSyncError) -> None:
         if self.stopping():
@@ -113,18 +128,30 @@ class Fleet:
         self.record.write(self.paths)
 
     def _admit_replacements(self, step: int) -> None:
-        """An engine restarted inside the allocation (all its workers admitted again) joins at this version."""
+        """An engine restarted inside the allocation, or one of a job `rltools join` submitted (all its
+        workers admitted), joins at this version."""
         admitted = self.host.admitted()
-        back = [e for e in range(self.engines) if e not in self.record.live and self._workers(e) <= admitted]
+        joined = joined_engines(self.paths)
+        known = [*range(self.engines), *joined]
+        back = [e for e in known if e not in self.record.live and self._workers(e) <= admitted]
         if not back:
             return
         for engine in back:
-            log.info("generator %d is back: it joins the group at this weight sync", engine)
+            self.beats.forget(engine)
+            self.record.where.pop(str(engine), None)  # it reports where it runs once it beats
+            if engine in joined:
+                log.info("generator %d (of `rltools join` job %s) joins the run at this weight sync", engine,
+                         joined[engine].get("job_id", "?"))
+            else:
+                log.info("generator %d is back: it joins the group at this weight sync", engine)
             self.record.live.append(engine)
             self.record.live.sort()
             self.record.note("joined", engine, step)
-            self.beats.forget(engine)
         self._drop_group()
+
+    def _locate(self, engines) -> None:
+        for engine in engines:
+            self.record.where[str(engine)] = self.beats.where(engine)
 
     def _reform(self, step: int) -> None:
         """Form the open generation with every live engine whose workers all come back; an engine
@@ -135,6 +162,10 @@ class Fleet:
                 raise WeightSyncError("weight-sync: the run is stopping; the group is not formed again")
             ready = self.host.ready()
             waiting = [e for e in self.record.live if not self._workers(e) <= ready]
+            left = self.beats.left(waiting)
+            if left:
+                self._lose(left, step, f"{LEFT}: its job ends")
+                continue
             stale = self.beats.stale(waiting)
             if time.monotonic() >= deadline:
                 stale = {e: self.timeout_s for e in waiting}

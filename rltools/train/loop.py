@@ -6,6 +6,7 @@ gathering the full weights before rank 0 broadcasts policy version step+1. A sto
 first instant of the process on, ends the run at a checkpoint of the steps done.
 """
 
+import json
 import logging
 import os
 import socket
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from .. import policy_exports
 from ..config import load_config
+from ..durable import atomic_write
 from ..metrics import append_metrics, resume_metrics
 from ..paths import RunPaths
 from ..rollout import RolloutBatch, RolloutStore
@@ -24,7 +26,7 @@ from ..runtime import faults
 from ..runtime.address import publish_address, wait_for_address
 from ..runtime.preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..runtime.role_env import RoleEnv
-from ..runtime.roles import eval_due, gpu_index
+from ..runtime.roles import eval_due, gpu_index, slots
 from ..weight_sync import bound_store
 from . import checkpoints
 from .backend import Backend
@@ -66,7 +68,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
         stop.starting = False  # from here on a signal is answered with a checkpoint
         for step in range(done, schedule.steps):
             begin = time.perf_counter()
-            batch = wait_for_rollouts(env, store, step, range(config.cluster.generators.ntasks),
+            batch = wait_for_rollouts(env, store, step, range(slots(config)),
                                       schedule.rollout_timeout_s, stop, publisher.fleet)
             staleness = step - batch.policy_version
             if not 0 <= staleness <= schedule.max_staleness:
@@ -86,8 +88,8 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                 if export:
                     policy_exports.prune_full_exports(paths, config.eval.keep_full_exports)
                 tokens = int(batch.completion_offsets[-1])
-                fleet = publisher.fleet.record
-                reassigned = _reassigned_samples(fleet, step, batch)
+                fleet = publisher.fleet.trained(step, batch.slot_sizes)
+                reassigned = sum(batch.slot_sizes[slot] for slot in fleet.covered(step))
                 append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
                                        "engines": len(fleet.live), "reassigned_samples": reassigned,
                                        "prompts_drawn": batch.prompts_drawn,
@@ -110,12 +112,6 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
     return 0
 
 
-def _reassigned_samples(fleet, step: int, batch: RolloutBatch) -> int:
-    """Samples of `step` generated for a slot by an engine other than its own (that engine was lost)."""
-    moved = [slot for slot, engine in enumerate(fleet.slots(step)) if engine != slot]
-    return sum(batch.slot_sizes[slot] for slot in moved) if moved else 0
-
-
 def _rate(tokens: int, batch: RolloutBatch) -> float:
     return tokens / batch.generation_seconds if batch.generation_seconds else 0.0
 
@@ -134,6 +130,8 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
             log.warning("%s", note)
         if notes:
             log.warning("resuming from %s instead", paths.checkpoint_dir(start) if start else "step 0 (no good checkpoint)")
+        # what the launcher announced was the newest checkpoint: this is the one loaded (`Progress`, status)
+        atomic_write(paths.resumed, json.dumps({"step": start, "set_aside": notes, "time": time.time()}))
     checkpoints.barrier()
     start = paths.latest_checkpoint()
     if start:

@@ -9,7 +9,8 @@ so it cannot collide with the trainers' own group.
 Protocol, all through a TCPStore hosted by trainer rank 0 (the "host") for the whole run attempt:
  1. host: start the store, set `nonce`, THEN publish {"host", "port", "attempt"} in
     `paths.sync_address` (tmp file + os.replace), so a joiner that sees the file can read the nonce.
- 2. joiner (worker id w, 1..W-1: its fixed sync rank), at any time: wait for a file of its own
+ 2. joiner (worker id w: 1..W-1, its fixed sync rank, or past W-1 for an engine of a `rltools join`
+    job, which the host's `may_join` knows), at any time: wait for a file of its own
     attempt (an earlier start's file is ignored), then append ";w:token:HMAC(secret, join|nonce|w|token);"
     to `joins`.
  3. host: check each proof. Admitted: `admit/<token>` = the random group key XOR HMAC(secret,
@@ -19,7 +20,8 @@ Protocol, all through a TCPStore hosted by trainer rank 0 (the "host") for the w
  4. group generations: the host opens generation g (the store counter `generation` becomes g + 1);
     each member marks itself ready under g; the host writes g's roster (the worker ids in rank
     order) and all form the process group of g (ranks 1.. in roster order) on a `SealedStore` of g.
-    A member that missed g's roster was dropped. When a member is lost the host drops the group
+    A member that missed g's roster was dropped (one arriving mid-run, at its first join, waits for a
+    later generation instead: the host takes it in at its next weight sync). When a member is lost the host drops the group
     (which fails every collective the others are in) and opens g + 1; the others join it.
 
 Why a sealed store and not a PrefixStore with a secret prefix: TCPStore.list_keys() answers any
@@ -55,8 +57,9 @@ BACKENDS = ("gloo", "nccl")
 REFUSALS = {  # code written by the host -> (its log line, what the refused process must change)
     "secret": ("its proof does not match this run's secret",
                "the run secret in {secret} does not match trainer rank 0's: start this worker with the run directory of the running job"),
-    "rank-range": ("sync rank {rank} is outside 1..{last}",
-                   "sync rank {rank} is outside 1..{last}: the generator worker count differs between the roles"),
+    "rank-range": ("sync rank {rank} is outside 1..{last} and of no `rltools join` job",
+                   "sync rank {rank} is outside 1..{last} and of no `rltools join` job: the generator worker count "
+                   "differs between the roles"),
     "rank-taken": ("sync rank {rank} was already admitted",
                    "another process already joined as sync rank {rank}: two workers were started with the same rank"),
 }
@@ -147,7 +150,9 @@ class SyncHost:
     replacement worker), and the group's generations."""
 
     def __init__(self, paths: RunPaths, *, workers: int, address: str, attempt: int | str = 0,
-                 options: SyncOptions = SyncOptions()):
+                 options: SyncOptions = SyncOptions(), may_join=lambda worker: False):
+        """`workers`: the configured workers (ids 1..workers); `may_join(worker id)`: whether an id past
+        them belongs to an engine added from outside the job (`rltools join`)."""
         _check(options, workers + 1)
         self.options, self.workers = options, workers
         secret = _read_secret(paths)
@@ -157,7 +162,7 @@ class SyncHost:
         publish_address(paths.sync_address, address, self.store.port, attempt)
         log.info("weight-sync: store at %s:%d (attempt %s), waiting for %d generator worker(s)",
                  address, self.store.port, attempt, workers)
-        self.admissions = _Admissions(self.store, secret, nonce, workers + 1)
+        self.admissions = _Admissions(self.store, secret, nonce, workers + 1, may_join)
         self.generation = -1
 
     def first_group(self) -> SyncGroup:
@@ -166,7 +171,7 @@ class SyncHost:
         _admit_all(self.admissions, deadline, self.options.join_timeout_s)
         self.open()
         everyone = set(range(1, self.workers + 1))
-        while self.ready() != everyone:
+        while not everyone <= self.ready():  # a worker joining from outside (`rltools join`) may be ready too
             if time.monotonic() >= deadline:
                 missing = sorted(everyone - self.ready())
                 raise WeightSyncError(f"weight-sync: generator worker(s) with sync rank {missing} were admitted "
@@ -211,13 +216,15 @@ class SyncMember:
 
     def __init__(self, paths: RunPaths, *, worker: int, workers: int, attempt: int | str = 0,
                  options: SyncOptions = SyncOptions(), device: torch.device | None = None,
-                 replacing: bool = False):
-        """`replacing`: this process replaces a lost one of the same worker id; until trainer rank 0
-        has declared that one lost (and released its id) it is refused, and asks again."""
+                 arriving: bool = False):
+        """`arriving`: this process joins a run under way, a lost one's replacement (of the same worker
+        id: until trainer rank 0 has declared that one lost, and released its id, it is refused, and
+        asks again) or an engine added from outside (`rltools join`)."""
         _check(options, workers + 1)
-        if not 1 <= worker <= workers:
-            raise ValueError(f"weight-sync: sync rank {worker} must be in 1..{workers} (0 is trainer rank 0)")
+        if worker < 1:
+            raise ValueError(f"weight-sync: sync rank {worker} must be 1 or more (0 is trainer rank 0)")
         self.worker, self.options, self.device = worker, options, device
+        self.arriving, self.joined = arriving, False
         deadline = time.monotonic() + options.join_timeout_s
         secret = _read_secret(paths)
         try:
@@ -238,7 +245,7 @@ class SyncMember:
             except dist.DistError as e:
                 raise WeightSyncError(f"weight-sync: could not reach {where}: {_first_line(e)}") from e
             answer = _await_answer(store, token, deadline, f"{where} did not answer the join of sync rank {worker}")
-            if not (replacing and answer == "refused:rank-taken" and time.monotonic() < deadline):
+            if not (arriving and answer == "refused:rank-taken" and time.monotonic() < deadline):
                 break
             time.sleep(1.0)  # the lost process still holds the id: its heartbeat has not run out yet
         if answer.startswith("refused:"):
@@ -250,8 +257,25 @@ class SyncMember:
 
     def join(self, after: int | None = None) -> SyncGroup:
         """Join the first generation opened after generation `after` (None: the open one, or the next
-        if the open one is formed already); Dropped when the trainer formed it without this worker."""
+        if the open one is formed already); Dropped when the trainer formed it without this worker,
+        except for a process arriving mid-run (`arriving`) on its first join: it waits for the
+        generation trainer rank 0 forms with it."""
         deadline = time.monotonic() + self.options.join_timeout_s
+        while True:
+            generation, sealed, roster = self._roster(after, deadline)
+            if self.worker in roster:
+                break
+            if not (self.arriving and not self.joined and time.monotonic() < deadline):
+                raise Dropped(f"weight-sync: trainer rank 0 formed generation {generation} of the group without sync "
+                              f"rank {self.worker} (it was lost to the trainer: too late, or its heartbeat stopped)")
+            after = generation  # formed before trainer rank 0 had taken this worker in: the next one has it
+        self.joined = True
+        group = _form(sealed, roster.index(self.worker) + 1, len(roster) + 1, self.options, deadline, self.device,
+                      generation, tuple(roster))
+        return dataclasses.replace(group, control=self.store)
+
+    def _roster(self, after: int | None, deadline: float) -> tuple[int, "SealedStore", list[int]]:
+        """(generation, its sealed store, its roster) of the first generation opened after `after`."""
         try:
             if after is None:
                 latest = self.store.add(GENERATION, 0) - 1  # -1: none opened yet
@@ -266,16 +290,10 @@ class SyncMember:
                 delay = min(delay * 2, 0.2)
             sealed = self._sealed(generation, deadline)
             sealed.set(f"ready/{self.worker}", "1")
-            roster = json.loads(sealed.get("roster"))
+            return generation, sealed, json.loads(sealed.get("roster"))
         except dist.DistError as e:
             raise WeightSyncError(f"weight-sync: joining generation {after + 1}+ at {self.where} failed as sync rank "
                                   f"{self.worker}: {_first_line(e)}") from e
-        if self.worker not in roster:
-            raise Dropped(f"weight-sync: trainer rank 0 formed generation {generation} of the group without sync rank "
-                          f"{self.worker} (it was lost to the trainer: too late, or its heartbeat stopped)")
-        group = _form(sealed, roster.index(self.worker) + 1, len(roster) + 1, self.options, deadline, self.device,
-                      generation, tuple(roster))
-        return dataclasses.replace(group, control=self.store)
 
     def _sealed(self, generation: int, deadline: float) -> "SealedStore":
         return SealedStore(self.store, self.group_key, timedelta(seconds=_left(deadline)), label=f"g{generation}")
@@ -285,8 +303,9 @@ class SyncMember:
 class _Admissions:
     """Trainer rank 0's side of step 3: answers each join entry once, admits each sync rank once."""
 
-    def __init__(self, store, secret: bytes, nonce: str, world_size: int):
+    def __init__(self, store, secret: bytes, nonce: str, world_size: int, may_join=lambda worker: False):
         self.store, self.secret, self.nonce, self.world_size = store, secret, nonce, world_size
+        self.may_join = may_join
         self.group_key = secrets.token_bytes(32)
         self.admitted: set[int] = set()
         self.answered: set[str] = set()  # a replayed entry must not overwrite its first answer
@@ -295,7 +314,7 @@ class _Admissions:
 
     @property
     def complete(self) -> bool:
-        return len(self.admitted) == self.world_size - 1
+        return set(range(1, self.world_size)) <= self.admitted
 
     def poll(self) -> None:
         if not self.store.check(["joins"]):
@@ -318,7 +337,7 @@ class _Admissions:
         self.answered.add(token)
         if not hmac.compare_digest(_mac(self.secret, "join", self.nonce, rank, token), proof_bytes):
             code = "secret"  # checked first: a process without the secret learns nothing about ranks
-        elif not 1 <= rank < self.world_size:
+        elif not (1 <= rank < self.world_size or rank >= self.world_size and self.may_join(rank)):
             code = "rank-range"
         elif rank in self.admitted:
             code = "rank-taken"

@@ -162,6 +162,9 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(run):
     assert f"checkpoint {run['dir']}/checkpoints/step_{newest} is damaged ({shard.name} fails its checksum)" in trainer_log
     assert f"resuming from {run['dir']}/checkpoints/step_{previous} instead" in trainer_log
     assert list((run["dir"] / "checkpoints.rejected").glob(f"step_{newest}.*")), "the damaged checkpoint is kept aside"
+    # the launcher announced the newest checkpoint; it then says which one the trainers loaded, and why
+    assert f"its latest checkpoint holds {newest} of {TOTAL} steps" in current.stderr
+    assert f"the trainers resumed from the checkpoint after {previous} steps\n  set aside: checkpoint " in current.stderr
     assert checkpoints(run["dir"])[-1] == len(steps(run["dir"])) >= previous + 3
 
 

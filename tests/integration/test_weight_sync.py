@@ -219,7 +219,7 @@ def test_trainer_rank_0_names_the_missing_workers_when_the_join_deadline_passes(
 def test_trainer_rank_0_admits_each_rank_once_and_ignores_replays_and_garbage(caplog):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     secret, nonce = b"s" * 32, "nonce"
-    admissions = _Admissions(store, secret, nonce, world_size=3)
+    admissions = _Admissions(store, secret, nonce, world_size=3, may_join=lambda rank: rank == 4)
 
     def join(rank: int, token: str, key: bytes = secret) -> None:
         store.append("joins", f";{rank}:{token}:{_mac(key, 'join', nonce, rank, token).hex()};")
@@ -230,11 +230,14 @@ def test_trainer_rank_0_admits_each_rank_once_and_ignores_replays_and_garbage(ca
     join(5, "cc")  # a rank the group does not have
     join(2, "dd", key=b"x" * 32)  # another run's secret
     store.append("joins", "garbage")  # no terminator: must not swallow the next join
+    join(4, "ff")  # a worker of an engine a join job added (rltools join)
+    admissions.poll()
+    assert admissions.admitted == {1, 4} and not admissions.complete  # a joined worker is not a configured one
     join(2, "ee")
     admissions.poll()
-    assert admissions.admitted == {1, 2} and admissions.complete
-    answers = {t: store.get(f"admit/{t}").decode() for t in ("aa", "bb", "cc", "dd", "ee")}
-    assert answers["aa"].startswith("ok:") and answers["ee"].startswith("ok:")
+    assert admissions.admitted == {1, 2, 4} and admissions.complete
+    answers = {t: store.get(f"admit/{t}").decode() for t in ("aa", "bb", "cc", "dd", "ee", "ff")}
+    assert all(answers[t].startswith("ok:") for t in ("aa", "ee", "ff"))
     assert [answers[t] for t in ("bb", "cc", "dd")] == ["refused:rank-taken", "refused:rank-range", "refused:secret"]
     warnings = [r.getMessage() for r in caplog.records if r.name == "rltools.weight_sync"]
     assert len(warnings) == 4 and any("malformed" in w for w in warnings)
@@ -357,3 +360,56 @@ def test_the_weight_sync_store_listens_only_on_the_address_it_publishes(tmp_path
     host.join()
     assert listening == {"127.0.0.1"}
     assert errors  # the join deadline passed, as expected with no generator
+
+
+def test_an_engine_arriving_mid_run_waits_for_the_generation_formed_with_it(tmp_path):
+    """A worker of an engine added from outside (`rltools join`) is admitted beside the configured
+    one; a generation formed without it (it came too late for that one) is not its end: it joins the
+    next, which trainer rank 0 forms once it saw the worker admitted."""
+    import threading
+
+    from rltools.weight_sync.rendezvous import SyncHost, SyncMember
+
+    paths = run_dir(tmp_path)
+    options = SyncOptions(join_timeout_s=30, collective_timeout_s=30)
+    groups, errors = {}, []
+
+    def run(name, body):
+        try:
+            groups[name] = body()
+        except Exception as err:  # reported by the assertion below
+            errors.append(f"{name}: {err!r}")
+
+    def host():
+        sync = SyncHost(paths, workers=1, address="127.0.0.1", options=options, may_join=lambda worker: worker == 2)
+        first = sync.first_group()
+        while 2 not in sync.admitted():
+            time.sleep(0.01)
+        sync.open()
+        while not {1, 2} <= sync.ready():
+            time.sleep(0.01)
+        return first, sync.form([1, 2])
+
+    def configured():
+        member = SyncMember(paths, worker=1, workers=1, options=options)
+        first = member.join()
+        return first, member.join(after=first.generation)
+
+    threads = [threading.Thread(target=run, args=(name, body)) for name, body in (
+        ("host", host), ("configured", configured),
+        ("arriving", lambda: SyncMember(paths, worker=2, workers=1, options=options, arriving=True).join()))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    (first, second), arriving = groups["host"], groups["arriving"]
+    assert (first.generation, first.members) == (0, (1,)) and (second.generation, second.members) == (1, (1, 2))
+    assert (arriving.generation, arriving.rank, arriving.world_size) == (1, 2, 3)
+    received = [torch.zeros(1), torch.zeros(1)]
+    works = [member.pg.broadcast([tensor], dist.BroadcastOptions())
+             for member, tensor in zip((arriving, groups["configured"][1]), received)]
+    second.pg.broadcast([torch.ones(1)], dist.BroadcastOptions()).wait()
+    for work in works:
+        work.wait()
+    assert [t.item() for t in received] == [1.0, 1.0]  # the new generation carries weights to both

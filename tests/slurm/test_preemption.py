@@ -132,8 +132,11 @@ def test_the_time_limit_warning_checkpoints_and_resume_finishes(slurm, repo, tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # Slurm may send the warning up to a minute early, so rarely before the first step: then there is
     # no checkpoint yet and resume starts over, which is still the right thing to do
-    expected = f"resuming {run_dir} after {s['step']} of {steps} steps" if s["step"] else f"no checkpoint in {run_dir}"
+    expected = (f"resuming {run_dir}: its latest checkpoint holds {s['step']} of {steps} steps" if s["step"]
+                else f"no checkpoint in {run_dir}")
     assert expected in resumed.stderr
+    if s["step"]:  # --wait follows the job: it says what the trainers loaded
+        assert f"the trainers resumed from the checkpoint after {s['step']} steps" in resumed.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(steps))
     final = status(run_dir)

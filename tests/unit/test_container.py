@@ -17,7 +17,7 @@ import yaml
 from rltools.config import load_config
 from rltools.errors import UserError
 from rltools.launch.sbatch import render_sbatch
-from rltools.launch.slurm import EvalExecutor, HetJobExecutor
+from rltools.launch.slurm import GeneratorJobExecutor, HetJobExecutor
 from rltools.paths import RunPaths
 
 RUN = "/scratch/runs/c"
@@ -96,7 +96,7 @@ def test_the_submitit_paths_run_in_the_container(repo, tmp_path):
                           f"{paths.submitit_dir('trainer')} 9>&- &")
 
     pyxis = config(repo, PYXIS, f"run.dir={run_dir}")
-    eval_job = EvalExecutor(pyxis, paths)
+    eval_job = GeneratorJobExecutor(pyxis, paths, "eval")
     text = eval_job._make_submission_file_text(eval_job._submitit_command_str, "uid")
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert "'--container-image=nvcr.io#nvidia/pytorch:25.01-py3'" in srun and f"--container-workdir={run_dir}" in srun

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from rltools.paths import RunPaths
 from rltools.runtime import faults
-from rltools.runtime.fleet import FleetRecord, Heartbeats
+from rltools.runtime.fleet import FleetRecord, Heartbeats, add_join, joined_engines, set_join_job
 
 
 def test_a_lost_engines_slots_go_to_the_survivors_in_turn_and_come_home_when_it_is_back(tmp_path):
@@ -18,14 +18,41 @@ def test_a_lost_engines_slots_go_to_the_survivors_in_turn_and_come_home_when_it_
     assert record.slots(4) == [0, 1, 2, 3] and record.slots(5) == [0, 0, 2, 2]  # trained steps keep theirs
     record.live = [0]
     assert record.reassign(9) == [0, 0, 0, 0]
-    record.live = [0, 1]  # engine 1 restarted: its own slot comes back, slot 3 stays where it is
-    assert record.reassign(12) == [0, 1, 0, 0]
+    record.live = [0, 1]  # engine 1 restarted: its own slot comes back, and an even share
+    assert record.reassign(12) == [0, 1, 0, 1]
     assert [start for start, _ in record.assignments] == [0, 5, 9, 12]
     record.note("lost", 3, 5, "its heartbeat stopped")
     paths = RunPaths(tmp_path)
     record.write(paths)
     assert FleetRecord.read(paths) == record
     assert FleetRecord.read(RunPaths(tmp_path / "none")) is None
+
+
+def test_engines_that_join_take_an_even_share_of_the_slots_and_hand_it_back_when_they_leave():
+    record = FleetRecord.start(1, slots=4)  # one configured engine, room for three more
+    assert record.slots(0) == [0, 0, 0, 0] and record.covered(0) == []
+    record.live = [0, 1]  # engine 1 joined (rltools join) at step 3
+    assert record.reassign(3) == [0, 0, 1, 1]
+    assert record.covered(3) == []  # its home engine is live: nothing was generated for a lost one
+    record.live = [0, 1, 2]
+    assert record.reassign(5) == [0, 0, 1, 2]
+    record.count(5, [8, 8, 8, 8])
+    record.count(4, [8, 8, 8, 8])
+    assert record.delivered == {"0": 32, "1": 24, "2": 8}
+    record.live = [1, 2]  # the configured engine is lost: its slots are covered by the joined ones
+    assert record.reassign(7) == [1, 2, 1, 2] and record.covered(7) == [0, 1, 2, 3]
+    two = FleetRecord.start(2, slots=4)
+    assert two.slots(0) == [0, 1, 0, 1] and two.home(2) == 0 and two.home(3) == 1
+
+
+def test_join_jobs_number_their_engines_past_the_runs_own_and_never_reuse_them(tmp_path):
+    paths = RunPaths(tmp_path)
+    assert joined_engines(paths) == {}
+    assert add_join(paths, configured=2, engines=2, nodes=1) == 2
+    set_join_job(paths, 2, "41")
+    assert add_join(paths, configured=2, engines=1, nodes=1) == 4
+    engines = joined_engines(paths)
+    assert sorted(engines) == [2, 3, 4] and engines[3]["job_id"] == "41" and "job_id" not in engines[4]
 
 
 def test_an_engine_is_stale_only_after_its_counter_stops_for_the_timeout():
@@ -39,6 +66,11 @@ def test_an_engine_is_stale_only_after_its_counter_stops_for_the_timeout():
     assert list(stale) == [1] and stale[1] > 0.05
     beats.forget(1)
     assert beats.stale([1]) == {}
+    assert beats.left([0, 1]) == []
+    store.set("left/1", "1")  # engine 1's job ends (Heartbeat.leave)
+    assert beats.left([0, 1]) == [1]
+    beats.forget(1)  # a new engine of that number has not left
+    assert beats.left([0, 1]) == []
 
 
 def test_a_fault_can_name_the_task_it_is_for():

@@ -6,7 +6,7 @@ import pytest
 
 from rltools.errors import UserError
 from rltools.paths import RunPaths
-from rltools.plot import _held_out, _policy, plot_run, smooth
+from rltools.plot import _fleet, _held_out, _policy, plot_run, smooth
 
 
 def write_run(root, steps: int, kl: float = 0.0, evals=(0,)):
@@ -46,6 +46,24 @@ def test_a_run_is_drawn_in_the_format_its_suffix_names(tmp_path, suffix):
     if suffix == "svg":
         text = out.read_text()
         assert "held-out problems (16)" in text and "KL to the reference" in text and "+0.0 points" in text
+
+
+def test_a_run_whose_engines_changed_gets_a_fleet_panel_and_step_lines_that_count_them(tmp_path):
+    from rltools.monitor.progress import step_line
+
+    paths = write_run(tmp_path / "run", 12)
+    metrics = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
+    assert not _fleet.wanted(metrics, {}), "one engine throughout: no fleet panel"
+    for m in metrics:  # 2 engines, one lost at step 5 (its slot covered), replaced at step 9
+        m.update(engines=1 if 5 <= m["step"] < 9 else 2, reassigned_samples=64 if 5 <= m["step"] < 9 else 0,
+                 gen_tokens_per_s=1.0)
+    paths.metrics.write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    assert _fleet.wanted(metrics, {})
+    plot_run(paths, tmp_path / "run.svg")
+    text = (tmp_path / "run.svg").read_text()
+    assert "generator fleet" in text and "samples generated for a lost engine" in text
+    assert step_line(6, 12, metrics[5]).endswith("| engines 1 (64 samples for a lost one)")
+    assert step_line(1, 12, metrics[0]).endswith("| engines 2")
 
 
 def test_an_unknown_format_is_a_user_error(tmp_path):

@@ -131,3 +131,27 @@ def test_waits_end_when_the_job_leaves_the_queue_without_a_known_end(repo, tmp_p
     watcher.update()  # the next poll: squeue has forgotten the job
     assert watcher.get_state("7", mode="cache") == slurm.LEFT_QUEUE
     assert watcher.is_done("7", mode="cache")  # submitit's job.result() stops waiting
+
+
+def test_status_lists_the_engine_pool_with_join_jobs_losses_and_samples(repo, tmp_path):
+    from rltools.runtime.fleet import FleetRecord, add_join, set_join_job
+
+    paths = make_run(repo, tmp_path, "generator.slots=4")
+    set_join_job(paths, add_join(paths, configured=1, engines=1, nodes=1), "77")
+    record = FleetRecord.start(1, slots=4)
+    record.live = [0, 1]
+    record.note("joined", 1, 3)
+    record.reassign(3)
+    record.count(3, [8, 8, 8, 8])
+    record.where = {"0": {"node": "n1", "job": "70"}, "1": {"node": "n3", "job": "77"}}
+    record.live = [0]
+    record.note("lost", 1, 6, "it left: its job ends")
+    record.write(paths)
+    status = run_status(paths)
+    pool = status.engines["pool"]
+    assert [(e["engine"], e["state"], e["node"], e["since_step"], e["samples"]) for e in pool] == [
+        (0, "live", "n1", 0, 16), (1, "left", "n3", 3, 16)]
+    assert pool[1]["join_job"] == "77" and json.loads(json.dumps(status.to_json()))["engines"]["pool"] == pool
+    text = format_status(status)
+    assert "generator engines: 1 live (1 configured, 1 joined); left: generator 1 at step 6\n" in text
+    assert "join job 77" in text and "restarts 0" in text
