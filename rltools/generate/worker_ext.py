@@ -29,7 +29,7 @@ class WeightSyncExtension:
     ) -> list:
         """Join the weight-sync group as worker id first_rank + this worker's TP rank, to receive weights
         of the format `weight_format` describes (`WeightFormat.to_plain`); returns [generation, sync rank]."""
-        from ..runtime.role_env import JOINED
+        from ..runtime.role_env import FIRST_ENGINE
         from ..weight_formats import format_from_plain
         from ..weight_sync import SyncOptions, WeightReceiver
         from ..weight_sync.rendezvous import SyncMember
@@ -37,7 +37,7 @@ class WeightSyncExtension:
         options = SyncOptions(backend=backend, join_timeout_s=timeout_s, collective_timeout_s=timeout_s)
         device = self.device if backend == "nccl" else None
         # mid-run: a replacement (generate/supervisor.py) or an engine of a join job (launch/join.py)
-        arriving = int(os.environ.get("RLTOOLS_ENGINE_RESTART", "0")) > 0 or JOINED in os.environ
+        arriving = int(os.environ.get("RLTOOLS_ENGINE_RESTART", "0")) > 0 or FIRST_ENGINE in os.environ
         self._rltools_member = SyncMember(RunPaths(run_dir), worker=first_rank + self.rank, workers=workers,
                                           attempt=attempt, options=options, device=device, arriving=arriving)
         group = self._rltools_member.join()

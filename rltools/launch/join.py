@@ -19,7 +19,7 @@ from ..config import load_config
 from ..errors import UserError
 from ..paths import RunPaths
 from ..runtime.fleet import FleetRecord, add_join, joined_engines, set_join_job
-from ..runtime.role_env import JOINED
+from ..runtime.role_env import FIRST_ENGINE
 from ..runtime.roles import slots
 from .slurm import GeneratorJobExecutor, _require_sbatch, job_state, minutes
 
@@ -66,7 +66,7 @@ def join_run(paths: RunPaths, nodes: int, task: Callable[[str], str], time_limit
                      partition=partition, submitted=round(time.time(), 3))
     executor = GeneratorJobExecutor(config, paths, f"join_{first}", nodes=nodes,
                                     ntasks_per_node=config.cluster.generators.ntasks_per_node, time_limit=time_limit,
-                                    partition=partition, environment={JOINED: str(first), "RLTOOLS_ROLE": "generator"})
+                                    partition=partition, environment={FIRST_ENGINE: str(first), "RLTOOLS_ROLE": "generator"})
     job = executor.submit(task, str(paths.root))
     set_join_job(paths, first, job.job_id)
     return Join(job.job_id, first, engines)

@@ -15,7 +15,7 @@ from typing import Mapping
 from ..errors import UserError
 
 ROLE = "RLTOOLS_ROLE"
-JOINED = "RLTOOLS_FIRST_ENGINE"
+FIRST_ENGINE = "RLTOOLS_FIRST_ENGINE"
 """Set in the tasks of a job `rltools join` submitted: the first engine number that job took."""
 # Hetjob component indices, for the Slurm and the local launcher alike (launch.plan lays the job out so)
 GENERATOR_GROUP = 0
@@ -53,7 +53,7 @@ class RoleEnv:
             raise UserError(f"{ROLE}={role!r}: expected generator or trainer")
         if env.get("RLTOOLS_LAUNCHER") == "local" or "SLURM_JOB_ID" not in env:
             return cls._local(env, role)
-        if JOINED in env:
+        if FIRST_ENGINE in env:
             return cls._joined(env)
         return cls._slurm(env, role)
 
@@ -63,7 +63,7 @@ class RoleEnv:
         return cls(
             launcher="slurm",
             role="generator",
-            rank=int(env[JOINED]) + int(_require(env, "SLURM_PROCID")),
+            rank=int(env[FIRST_ENGINE]) + int(_require(env, "SLURM_PROCID")),
             world_size=int(_require(env, "SLURM_NTASKS")),
             local_rank=int(env.get("SLURM_LOCALID", "0")),
             node=env.get("SLURMD_NODENAME") or socket.gethostname(),

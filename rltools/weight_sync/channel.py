@@ -34,7 +34,8 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .rendezvous import SyncGroup, WeightSyncError, _first_line
+from .admission import _first_line
+from .rendezvous import SyncGroup, WeightSyncError
 
 MAGIC = 0x524C5753  # "RLWS": a peer speaking something else fails loudly, not with garbage tensors
 ALIGN = 64  # a packed tensor starts 64-byte aligned, so a view of any dtype is valid

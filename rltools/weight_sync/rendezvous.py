@@ -6,7 +6,7 @@ every key the group's own rendezvous writes to the store is named and authentica
 only admitted members hold. The group is a standalone process-group object, never the default group,
 so it cannot collide with the trainers' own group.
 
-Protocol, all through a TCPStore hosted by trainer rank 0 (the "host") for the whole run attempt:
+Protocol (steps 2 and 3, the secret handshake, are `admission`'s), all through a TCPStore hosted by trainer rank 0 (the "host") for the whole run attempt:
  1. host: start the store, set `nonce`, THEN publish {"host", "port", "attempt"} in
     `paths.sync_address` (tmp file + os.replace), so a joiner that sees the file can read the nonce.
  2. joiner (worker id w: 1..W-1, its fixed sync rank, or past W-1 for an engine of a `rltools join`
@@ -33,8 +33,6 @@ torch.distributed job: the secret guards who may join, not the wire.
 
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import json
 import logging
 import secrets
@@ -46,25 +44,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError
 from ..paths import RunPaths
 from ..runtime.address import AddressTimeout, publish_address, wait_for_address
+from .admission import (
+    REFUSALS,
+    _Admissions,
+    _admit_all,
+    _await_answer,
+    _first_line,
+    _left,
+    _mac,
+    _read_secret,
+    _unseal,
+)
 from .store import SealedStore, WeightSyncError, bound_store
 
 log = logging.getLogger("rltools.weight_sync")
 
 BACKENDS = ("gloo", "nccl")
-REFUSALS = {  # code written by the host -> (its log line, what the refused process must change)
-    "secret": ("its proof does not match this run's secret",
-               "the run secret in {secret} does not match trainer rank 0's: start this worker with the run directory of the running job"),
-    "rank-range": ("sync rank {rank} is outside 1..{last} and of no `rltools join` job",
-                   "sync rank {rank} is outside 1..{last} and of no `rltools join` job: the generator worker count "
-                   "differs between the roles"),
-    "rank-taken": ("sync rank {rank} was already admitted",
-                   "another process already joined as sync rank {rank}: two workers were started with the same rank"),
-}
-
-
 @dataclass(frozen=True)
 class SyncOptions:
     backend: str = "gloo"
@@ -299,98 +296,6 @@ class SyncMember:
         return SealedStore(self.store, self.group_key, timedelta(seconds=_left(deadline)), label=f"g{generation}")
 
 
-# -- host side ----------------------------------------------------------------------------------
-class _Admissions:
-    """Trainer rank 0's side of step 3: answers each join entry once, admits each sync rank once."""
-
-    def __init__(self, store, secret: bytes, nonce: str, world_size: int, may_join=lambda worker: False):
-        self.store, self.secret, self.nonce, self.world_size = store, secret, nonce, world_size
-        self.may_join = may_join
-        self.group_key = secrets.token_bytes(32)
-        self.admitted: set[int] = set()
-        self.answered: set[str] = set()  # a replayed entry must not overwrite its first answer
-        self.refused = 0
-        self._read = 0  # characters of `joins` already handled
-
-    @property
-    def complete(self) -> bool:
-        return set(range(1, self.world_size)) <= self.admitted
-
-    def poll(self) -> None:
-        if not self.store.check(["joins"]):
-            return
-        text = self.store.get("joins").decode(errors="replace")
-        end = text.rfind(";") + 1  # appends are atomic and end with ';': never a partial entry
-        for entry in filter(None, text[self._read:end].split(";")):
-            self._answer(entry)
-        self._read = max(self._read, end)
-
-    def _answer(self, entry: str) -> None:
-        try:
-            rank_text, token, proof = entry.split(":")
-            rank, proof_bytes = int(rank_text), bytes.fromhex(proof)
-        except ValueError:
-            log.warning("weight-sync: ignored a malformed join entry %r (not written by rltools)", entry[:80])
-            return
-        if token in self.answered:
-            return
-        self.answered.add(token)
-        if not hmac.compare_digest(_mac(self.secret, "join", self.nonce, rank, token), proof_bytes):
-            code = "secret"  # checked first: a process without the secret learns nothing about ranks
-        elif not (1 <= rank < self.world_size or rank >= self.world_size and self.may_join(rank)):
-            code = "rank-range"
-        elif rank in self.admitted:
-            code = "rank-taken"
-        else:
-            self.admitted.add(rank)
-            sealed = bytes(a ^ b for a, b in zip(self.group_key, _mac(self.secret, "admit", self.nonce, token))).hex()
-            tag = _mac(self.secret, "host", self.nonce, token, sealed).hex()
-            self.store.set(f"admit/{token}", f"ok:{sealed}:{tag}")
-            return
-        self.refused += 1
-        self.store.set(f"admit/{token}", f"refused:{code}")
-        log.warning("weight-sync: refused a process claiming generator worker sync rank %d: %s", rank,
-                    REFUSALS[code][0].format(rank=rank, last=self.world_size - 1))
-
-
-def _admit_all(admissions: _Admissions, deadline: float, timeout_s: float) -> None:
-    delay = 0.01
-    while True:
-        admissions.poll()
-        if admissions.complete:
-            break
-        if time.monotonic() >= deadline:
-            missing = sorted(set(range(1, admissions.world_size)) - admissions.admitted)
-            raise WeightSyncError(
-                f"weight-sync: generator worker(s) with sync rank {missing} did not join trainer rank 0 within "
-                f"{timeout_s:.0f} s (admitted {sorted(admissions.admitted)}, refused {admissions.refused} "
-                "process(es)); check that every generator worker started and reads this run directory")
-        time.sleep(delay)  # joins arrive once per worker: a gentle, capped poll costs nothing
-        delay = min(delay * 2, 0.2)
-    admissions.poll()  # a join that raced the last admission is refused now, not left to time out
-    log.info("weight-sync: admitted generator worker(s) %s", sorted(admissions.admitted))
-
-
-# -- joiner side --------------------------------------------------------------------------------
-def _await_answer(store, token: str, deadline: float, what: str) -> str:
-    try:
-        store.wait([f"admit/{token}"], timedelta(seconds=_left(deadline)))
-        return store.get(f"admit/{token}").decode()
-    except dist.DistError as e:
-        raise WeightSyncError(f"weight-sync: {what} before the join deadline: {_first_line(e)}") from e
-
-
-def _unseal(answer: str, secret: bytes, nonce: str, token: str, where: str) -> bytes:
-    try:
-        _, sealed, tag = answer.split(":")
-        valid = hmac.compare_digest(_mac(secret, "host", nonce, token, sealed), bytes.fromhex(tag))
-    except ValueError:
-        valid = False
-    if not valid:  # mutual authentication: never take weights from a host without the secret
-        raise WeightSyncError(f"weight-sync: the answer from {where} failed authentication: that process does not know this run's secret")
-    return bytes(a ^ b for a, b in zip(bytes.fromhex(sealed), _mac(secret, "admit", nonce, token)))
-
-
 # -- both sides ---------------------------------------------------------------------------------
 def _form(sealed: "SealedStore", rank: int, world_size: int, options: SyncOptions, deadline: float,
           device: torch.device | None, generation: int = 0, members: tuple[int, ...] = ()) -> SyncGroup:
@@ -420,29 +325,3 @@ def _check(options: SyncOptions, world_size: int) -> None:
         raise ValueError("weight-sync backend nccl needs a CUDA build of torch; this one has no NCCL: use gloo")
     if world_size < 2:
         raise ValueError(f"weight-sync world size {world_size}: needs trainer rank 0 and at least one generator worker")
-
-
-def _read_secret(paths: RunPaths) -> bytes:
-    try:
-        mode = paths.secret.stat().st_mode
-        secret = paths.read_secret()
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"weight-sync: cannot read the run secret {paths.secret} ({e}): {paths.root} is not a run "
-                        "directory made by rltools; point the role at the run directory of the job") from None
-    if mode & 0o077:
-        log.warning("weight-sync: the run secret %s is readable by other users (mode %o); run `chmod 600 %s`",
-                    paths.secret, mode & 0o777, paths.secret)
-    return secret
-
-
-def _mac(secret: bytes, *parts) -> bytes:
-    return hmac.new(secret, "|".join(str(p) for p in parts).encode(), hashlib.sha256).digest()
-
-
-def _left(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 0.001)
-
-
-def _first_line(error: BaseException) -> str:
-    """c10d errors carry a C++ backtrace after the first line; the first line is the message."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

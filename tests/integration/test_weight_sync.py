@@ -21,7 +21,8 @@ import torch.distributed as dist
 from rltools.paths import RunPaths
 from rltools.weight_sync import SyncOptions, WeightSyncError, host_group, join_group
 from rltools.weight_sync.channel import ALIGN, plan_pieces
-from rltools.weight_sync.rendezvous import SealedStore, _Admissions, _mac
+from rltools.weight_sync.admission import _Admissions, _mac
+from rltools.weight_sync.rendezvous import SealedStore
 
 from .sync_peer import SMALL, model
 
