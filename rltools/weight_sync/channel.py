@@ -201,6 +201,7 @@ class _Collectives:
             pause = min(2 * pause, 1e-3 if now - began < ABANDON_POLL_S else 10e-3)
 
     def _fail(self, error: Exception, what: str, started: float, limit: timedelta) -> None:
+        self.group.close()  # its pending collective must never be destroyed with it (SyncGroup.close)
         self.broken = WeightSyncError(
             f"{self.group.describe()}: {what} failed after {time.monotonic() - started:.1f} s "
             f"(timeout {limit.total_seconds():g} s): {_first_line(error)} — a peer died or stalled (see its log); "

@@ -107,7 +107,11 @@ class SyncGroup:
     def close(self) -> None:
         """Give this process group up. It is aborted but kept (`_GIVEN_UP`): destroying a gloo group
         with a collective still pending joins its worker thread, which waits out the collective's
-        timeout; the peers learn of the end from the store's generation counter (`superseded`)."""
+        timeout, even after an abort (measured: the whole timeout, in whichever thread drops the last
+        reference: a vLLM worker stalled 300 s in execute_model when the garbage collector ran); the
+        peers learn of the end from the store's generation counter (`superseded`)."""
+        if any(pg is self.pg for pg in _GIVEN_UP):
+            return
         abort = getattr(self.pg, "abort", None)
         if abort is not None:
             with contextlib.suppress(RuntimeError):  # a group already broken needs no abort

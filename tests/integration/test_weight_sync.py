@@ -414,3 +414,32 @@ def test_an_engine_arriving_mid_run_waits_for_the_generation_formed_with_it(tmp_
     for work in works:
         work.wait()
     assert [t.item() for t in received] == [1.0, 1.0]  # the new generation carries weights to both
+
+
+def test_a_group_given_up_with_a_collective_pending_is_never_destroyed_under_its_members_feet(tmp_path):
+    """A member whose collective was given up (the trainer re-formed the group) drops its group and goes
+    on. Destroying a gloo group with work pending waits out the collective's timeout, in whichever
+    thread drops the last reference: in a vLLM worker that was execute_model, stalled for 300 s (the
+    join test under load). The given-up group is kept, so dropping it costs nothing."""
+    import gc
+    import threading
+
+    from rltools.weight_sync.channel import _Collectives
+
+    paths = run_dir(tmp_path)
+    options = SyncOptions(join_timeout_s=30, collective_timeout_s=30)
+    groups = {}
+    host = threading.Thread(target=lambda: groups.update(host=host_group(paths, world_size=2, address="127.0.0.1",
+                                                                          options=options)))
+    host.start()
+    member = join_group(paths, rank=1, world_size=2, options=options)
+    host.join(30)
+    ops = _Collectives(member, abandon=lambda: "trainer rank 0 re-forms the group (generation 1)")
+    pending = ops.broadcast(torch.zeros(4), "piece 1 of 1")  # trainer rank 0 never sends it
+    with pytest.raises(WeightSyncError, match="given up: trainer rank 0 re-forms the group"):
+        ops.wait(pending)
+    started = time.monotonic()
+    del member, ops, pending
+    gc.collect()
+    dropped_s = time.monotonic() - started
+    assert dropped_s < 5, f"dropping the given-up group took {dropped_s:.1f} s (its collective's timeout: 30 s)"

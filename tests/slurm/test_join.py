@@ -6,8 +6,6 @@ import json
 import subprocess
 import time
 
-import pytest
-
 from tests.fleet_checks import assert_each_step_trained_its_own_prompts
 
 from rltools.launch.slurm import ACTIVE
@@ -32,9 +30,6 @@ def fleet(paths: RunPaths) -> dict:
         return {}
 
 
-@pytest.mark.skip(reason="unfinished: under the full suite's load the surviving engine's vLLM worker hung in "
-                         "execute_model for 300 s after the group re-formed without the engine that left (issue 25, "
-                         "session 11 note); passes alone (66 s)")
 def test_rltools_join_adds_an_engine_that_shares_the_steps_and_leaves_when_its_job_ends(slurm, repo, tmp_path):
     steps = 40
     paths = demo_run(repo, tmp_path, f"schedule.steps={steps}", "schedule.eval_every=0", "eval.problems=16",
