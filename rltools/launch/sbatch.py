@@ -71,6 +71,9 @@ def render_sbatch(
         log_root=paths.relative(paths.log_dir),
         attempt_log_dir=paths.relative(paths.attempt_log_dir("$attempt")),  # the script numbers its starts
         job_id_file=paths.relative(paths.job_id_file),
+        metrics_file=paths.relative(paths.metrics),
+        resumed_file=paths.relative(paths.resumed),
+        preempt_signal=config.cluster.preempt_signal,
         lock_file=paths.relative(paths.lock_file),
         max_requeues=config.cluster.max_requeues if config.cluster.requeue else 0,
     )

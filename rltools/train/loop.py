@@ -130,8 +130,6 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
             log.warning("%s", note)
         if notes:
             log.warning("resuming from %s instead", paths.checkpoint_dir(start) if start else "step 0 (no good checkpoint)")
-        # what the launcher announced was the newest checkpoint: this is the one loaded (`Progress`, status)
-        atomic_write(paths.resumed, json.dumps({"step": start, "set_aside": notes, "time": time.time()}))
     checkpoints.barrier()
     start = paths.latest_checkpoint()
     if start:
@@ -143,6 +141,10 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
         discarded = store.discard_unusable(start, config.schedule.max_staleness)
         if discarded:
             log.info("discarded %d rollout shard(s) the resumed run may not use", len(discarded))
+        # What the launcher announced was the newest checkpoint: this is the one loaded (`Progress`,
+        # status). Written after the metrics are cut back to it: a metrics.jsonl newer than this
+        # file has a step trained by this start (the job script asks, when every engine is gone).
+        atomic_write(paths.resumed, json.dumps({"step": start, "set_aside": notes, "time": time.time()}))
     checkpoints.barrier()
     return start
 

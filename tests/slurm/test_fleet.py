@@ -79,3 +79,27 @@ def test_a_killed_trainer_task_requeues_the_job_which_resumes_and_completes(slur
     metrics = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(steps)), "every step exactly once across the requeue"
     assert "resumed from" in paths.task_log(1, "trainer", 0).read_text()
+
+
+def test_losing_every_engine_requeues_the_job_which_resumes_and_completes(slurm, repo, tmp_path):
+    """The generator component ends (its one task killed with SIGKILL, as when its node is gone) after
+    this start trained steps: the trainers get the warning signal, stop at a checkpoint and requeue
+    the job, which starts new engines and completes."""
+    steps = 10
+    paths = demo_run(repo, tmp_path, f"schedule.steps={steps}", "schedule.eval_every=0", "eval.problems=16",
+                     "schedule.checkpoint_every=3", f"schedule.keep_rollout_steps={steps}",
+                     "generator.heartbeat_timeout_s=600")  # the script acts, not a heartbeat timeout
+    job_id = sbatch(paths.sbatch_script)
+    kill_at_step(paths, job_id, "generator", 0, 5)
+    states = wait_for_job(job_id, timeout_s=400)
+    assert set(states.values()) == {"COMPLETED"}, states
+    assert sorted(paths.attempts()) == [0, 1]
+    script_log = "\n".join(p.read_text() for p in paths.log_dir.glob("*.err"))
+    assert "every generator engine is gone (the generator component ended, exit 137)" in script_log, script_log
+    assert "the trainers failed" not in script_log
+    first = paths.task_log(0, "trainer", 0).read_text()
+    assert "requeue" in first and "checkpoint" in first, first[-2000:]
+    metrics = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(steps)), "every step exactly once across the requeue"
+    assert "resumed from" in paths.task_log(1, "trainer", 0).read_text()
+    assert_each_step_trained_its_own_prompts(paths.root, steps)
