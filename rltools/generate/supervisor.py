@@ -32,12 +32,13 @@ log = logging.getLogger("rltools.supervisor")
 def supervise(run_dir: str) -> int:
     from ..config import load_config
     from ..paths import RunPaths
-    from ..runtime.preempt import generator_signals
+    from ..runtime.preempt import before_leaving, generator_signals
 
     paths = RunPaths(run_dir)
     config = load_config(paths.config)
     generator_signals(config.cluster.preempt_signal)  # SIGTERM ends this process; the engine follows it
     scratch = tempfile.mkdtemp(prefix="rltools-engine-")  # node-local
+    before_leaving(lambda: shutil.rmtree(scratch, ignore_errors=True))  # SIGTERM skips the finally below
     try:
         return _run(run_dir, paths, config, Path(scratch) / "joined")
     finally:
