@@ -5,6 +5,7 @@ which resumes from its checkpoint and completes."""
 
 import json
 import random
+import re
 import signal
 import subprocess
 import time
@@ -102,4 +103,36 @@ def test_losing_every_engine_requeues_the_job_which_resumes_and_completes(slurm,
     metrics = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(steps)), "every step exactly once across the requeue"
     assert "resumed from" in paths.task_log(1, "trainer", 0).read_text()
+    assert_each_step_trained_its_own_prompts(paths.root, steps)
+
+
+def test_a_generator_node_that_goes_down_costs_a_requeue_not_the_steps_trained(slurm, repo, tmp_path):
+    """Slurm marks the node of generator 1 DOWN mid-run: it cancels the job for the node failure
+    (SIGTERM to every task), the trainers checkpoint the steps they trained, and Slurm requeues the
+    job (--requeue), which starts its engines on the nodes that are up and completes."""
+    steps = 10
+    paths = demo_run(repo, tmp_path, f"schedule.steps={steps}", "schedule.eval_every=0", "eval.problems=16",
+                     "cluster.generators.nodes=2", "schedule.checkpoint_every=3", f"schedule.keep_rollout_steps={steps}",
+                     "generator.heartbeat_timeout_s=600")
+    job_id = sbatch(paths.sbatch_script)
+    deadline = time.monotonic() + 240
+    while done_steps(paths) < 5:
+        assert time.monotonic() < deadline and ACTIVE & set(job_states(job_id).values() or {"PENDING"}), "no step 5"
+        time.sleep(0.2)
+    node = json.loads(paths.fleet.read_text())["where"]["1"]["node"]
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=rltools-test"], check=True)
+    try:
+        states = wait_for_job(job_id, timeout_s=400)
+    finally:  # the local cluster may have taken it back already ("Invalid node state")
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+    assert set(states.values()) == {"COMPLETED"}, states
+    assert sorted(paths.attempts()) == [0, 1]
+    script_log = "\n".join(p.read_text() for p in paths.log_dir.glob("*.err"))
+    assert f"Node failure on {node}" in script_log, script_log
+    stopped = re.search(r"stopped on SIGTERM after (\d+) of 10 steps; checkpoint", paths.task_log(0, "trainer", 0).read_text())
+    assert stopped and int(stopped.group(1)) >= 5, "the steps trained before the failure were checkpointed"
+    assert f"resumed from {paths.checkpoint_dir(int(stopped.group(1)))}" in paths.task_log(1, "trainer", 0).read_text()
+    # (which nodes the new start got is Slurm's: this local cluster takes the node back at once, its slurmd being up)
+    metrics = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(steps)), "every step exactly once across the requeue"
     assert_each_step_trained_its_own_prompts(paths.root, steps)
