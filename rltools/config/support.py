@@ -13,8 +13,6 @@ def megatron_unsupported(config: RLConfig) -> list[str]:
     architecture is checked when the trainer reads its config.json)."""
     t, lora = config.trainer, config.lora
     missing = []
-    if t.expert_parallel != 1:
-        missing.append("trainer.expert_parallel > 1 (tensor and pipeline parallelism are built, expert parallelism is not)")
     if not lora.enabled:
         missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
     if lora.dropout:

@@ -94,14 +94,15 @@ def _copies(named_tensors) -> dict:
     return {name: tensor.clone() for name, tensor in named_tensors}
 
 
-def _logits(policy) -> torch.Tensor:
-    """The logits of `_ids()` through every pipeline stage, on every rank: megatron's schedule,
-    forward only, as the trainer runs it (with one stage, that is a plain forward)."""
+def _logits(policy, inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The logits of `inputs` (ids, mask; by default `_ids()`) through every pipeline stage, on every
+    rank: megatron's schedule, forward only, as the trainer runs it (with one stage, that is a plain
+    forward)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rltools.train.megatron.parallel import from_last_stage
 
-    ids, mask = _ids()
+    ids, mask = inputs or _ids()
     with torch.no_grad():
         out = get_forward_backward_func()(
             forward_step_func=lambda _, model: (model(ids, mask), lambda logits, non_loss_data: logits),

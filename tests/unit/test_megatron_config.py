@@ -7,6 +7,7 @@ import pytest
 
 from rltools.config.schema import LoraConfig, ModelConfig, RLConfig
 from rltools.errors import UserError
+from tests.conftest import REPO
 
 pytest.importorskip("torch")
 
@@ -61,6 +62,35 @@ def test_settings_the_backend_lacks_fail_at_submit_time_already(repo):
     from rltools.config import load_config
     from rltools.launch.plan import plan
 
-    config = load_config(repo / "configs" / "demo.yaml", ["trainer.backend=megatron", "trainer.expert_parallel=2"])
-    with pytest.raises(UserError, match="expert_parallel > 1.*use trainer.backend: fsdp2"):
+    config = load_config(repo / "configs" / "demo.yaml", ["trainer.backend=megatron", "algorithm.routing_replay=true"])
+    with pytest.raises(UserError, match="routing_replay.*use trainer.backend: fsdp2"):
         plan(config)
+
+
+def _deepseek(**changes):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(REPO / "rltools" / "assets" / "tiny-moe-arith")
+    for key, value in changes.items():
+        setattr(hf, key, value)
+    return hf
+
+
+@pytest.mark.parametrize("changes, kwargs, message", [
+    (dict(), dict(tp=1, ep=2), "GRPO steps are not yet verified against the FSDP2"),
+    (dict(), dict(tp=2), "trainer.tensor_parallel 2 on a MoE model .*sequence parallelism"),
+    (dict(), dict(tp=1, ep=3, world=3), "expert_parallel 3 must divide the 8 routed experts"),
+    (dict(rope_interleave=False), dict(tp=1), "rope_interleave: false"),
+    (dict(q_lora_rank=None), dict(tp=1), "q_lora_rank: null"),
+    (dict(scoring_func="softmax"), dict(tp=1), "scoring_func softmax"),
+    (dict(n_group=4, topk_group=2), dict(tp=1), "num_experts_per_tok // topk_group = 1"),
+    (dict(), dict(tp=1, lora=LoraConfig(target_modules=["q_a_proj", "lm_head"])), r"LoRA on \['lm_head'\]"),
+])
+def test_a_deepseek_v3_model_is_refused_with_what_is_missing(changes, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        check(hf=_deepseek(**changes), **kwargs)
+
+
+def test_a_dense_model_has_no_experts_to_spread():
+    with pytest.raises(UserError, match="expert_parallel 2 on a dense model"):
+        check(tp=1, ep=2)

@@ -1,5 +1,6 @@
 """`trainer.backend: megatron` for the role loop: trainer ranks form data-parallel replicas of
-`trainer.tensor_parallel` x `trainer.pipeline_parallel` ranks each."""
+`trainer.tensor_parallel` x `trainer.pipeline_parallel` ranks each; a MoE model's routed experts are
+spread over `trainer.expert_parallel` ranks of each pipeline stage."""
 
 import torch
 
@@ -22,7 +23,7 @@ class MegatronBackend(Backend):
         hf_config = AutoConfig.from_pretrained(config.model.path, local_files_only=True)
         check_supported(config, hf_config, env.world_size)
         _require_cuda()
-        init_parallel(t.tensor_parallel, t.pipeline_parallel, config.run.seed)
+        init_parallel(t.tensor_parallel, t.pipeline_parallel, config.run.seed, t.expert_parallel)
         from megatron.core import parallel_state
 
         policy = load_megatron_policy(config.model, config.lora, t.gradient_checkpointing).to(trainer_args["device"])

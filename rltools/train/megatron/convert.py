@@ -1,4 +1,4 @@
-"""Hugging Face Llama <-> Megatron GPTModel weights, and their tensor-parallel shards.
+"""Hugging Face Llama or DeepSeek-V3 <-> Megatron GPTModel weights, and their tensor-parallel shards.
 
 Pure tensor functions, no process groups. Invariants:
 - `to_megatron` and `to_hf` are exact inverses (they only copy, concatenate and slice).
@@ -7,11 +7,21 @@ Pure tensor functions, no process groups. Invariants:
 - A TP shard of `linear_qkv` is a contiguous block of whole query groups; a shard of `linear_fc1` is
   [gate shard; up shard]; `linear_proj`/`linear_fc2` split their input dimension; embeddings and the
   output layer split the vocabulary; norms are replicated.
+- DeepSeek-V3 (MLA + MoE): each MLA projection is one HF tensor, split over TP along its output
+  (the down projections too: megatron gathers their outputs); the shared experts are split as a
+  dense MLP; routed experts are named by their global index and are never split over TP (expert
+  tensor parallelism is 1: expert parallelism spreads whole experts); the router and its score
+  correction bias are replicated.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+
+# MLA projection (megatron, under `self_attention.`) -> its HF projection (under `self_attn.`)
+MLA = {"linear_q_down_proj": "q_a_proj", "linear_q_up_proj": "q_b_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
+       "linear_kv_up_proj": "kv_b_proj", "q_layernorm": "q_a_layernorm", "kv_layernorm": "kv_a_layernorm"}
 
 
 @dataclass(frozen=True)
@@ -21,25 +31,48 @@ class Shape:
     kv_heads: int
     head_dim: int
     tied: bool  # tie_word_embeddings: the output layer is the embedding
+    mla: bool = False  # DeepSeek-V3: multi-latent attention
+    dense_layers: int | None = None  # the first layers with a dense MLP, the others MoE (None: all dense)
+    experts: int = 0  # routed experts per MoE layer
+    shared_experts: bool = False
 
     @classmethod
     def from_hf(cls, config) -> "Shape":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        moe = bool(getattr(config, "n_routed_experts", None))
         return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                   bool(config.tie_word_embeddings))
+                   bool(config.tie_word_embeddings), mla=getattr(config, "kv_lora_rank", None) is not None,
+                   dense_layers=config.first_k_dense_replace if moe else None,
+                   experts=config.n_routed_experts if moe else 0,
+                   shared_experts=moe and bool(getattr(config, "n_shared_experts", 0)))
+
+    def is_moe(self, layer: int) -> bool:
+        return self.dense_layers is not None and layer >= self.dense_layers
 
 
 def name_map(shape: Shape) -> dict[str, tuple[str, ...]]:
-    """Megatron name -> the HF names it is made of (in fusion order)."""
+    """Megatron name -> the HF names it is made of (in fusion order); routed experts by global index."""
     names = {"embedding.word_embeddings.weight": ("model.embed_tokens.weight",)}
     for i in range(shape.layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         names[m + "input_layernorm.weight"] = (h + "input_layernorm.weight",)
-        names[m + "self_attention.linear_qkv.weight"] = tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv")
+        if shape.mla:
+            for megatron, hf in MLA.items():
+                names[f"{m}self_attention.{megatron}.weight"] = (f"{h}self_attn.{hf}.weight",)
+        else:
+            names[m + "self_attention.linear_qkv.weight"] = tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv")
         names[m + "self_attention.linear_proj.weight"] = (h + "self_attn.o_proj.weight",)
         names[m + "pre_mlp_layernorm.weight"] = (h + "post_attention_layernorm.weight",)
-        names[m + "mlp.linear_fc1.weight"] = (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
-        names[m + "mlp.linear_fc2.weight"] = (h + "mlp.down_proj.weight",)
+        mlps = {"mlp.": "mlp."}
+        if shape.is_moe(i):
+            names[m + "mlp.router.weight"] = (h + "mlp.gate.weight",)
+            names[m + "mlp.router.expert_bias"] = (h + "mlp.gate.e_score_correction_bias",)
+            mlps = {f"mlp.experts.local_experts.{e}.": f"mlp.experts.{e}." for e in range(shape.experts)}
+            if shape.shared_experts:
+                mlps["mlp.shared_experts."] = "mlp.shared_experts."
+        for megatron, hf in mlps.items():
+            names[f"{m}{megatron}linear_fc1.weight"] = (f"{h}{hf}gate_proj.weight", f"{h}{hf}up_proj.weight")
+            names[f"{m}{megatron}linear_fc2.weight"] = (f"{h}{hf}down_proj.weight",)
     names["decoder.final_layernorm.weight"] = ("model.norm.weight",)
     if not shape.tied:
         names["output_layer.weight"] = ("lm_head.weight",)
@@ -74,7 +107,10 @@ def to_hf(name: str, tensor: torch.Tensor, shape: Shape) -> list[torch.Tensor]:
 
 def split_dim(name: str) -> int | None:
     """The dimension tensor parallelism splits a Megatron weight along (None: replicated)."""
-    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")):
+    if ".mlp.experts." in name:  # routed experts: expert tensor parallelism is 1
+        return None
+    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight",
+                      "_down_proj.weight", "_up_proj.weight")):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1

@@ -1,7 +1,7 @@
 """LoRA on Megatron's tensor-parallel linear layers, one adapter per Hugging Face projection.
 
-Megatron fuses q/k/v (`linear_qkv`) and gate/up (`linear_fc1`); PEFT adapts each projection on its
-own. So a fused layer carries one (A, B) pair per targeted projection, exactly PEFT's tensors, and
+Megatron fuses q/k/v (`linear_qkv`) and gate/up (`linear_fc1`, of a dense MLP or the shared
+experts); PEFT adapts each projection on its own. MLA's projections are one HF projection each. So a fused layer carries one (A, B) pair per targeted projection, exactly PEFT's tensors, and
 the deltas are laid out the way the fused output is (per query group for q/k/v, [gate; up] for fc1).
 
 Sharding follows the base layer, so no adapter is ever gathered in the forward pass:
@@ -19,12 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Megatron module -> (parallel style, the HF projections it fuses)
-FUSED = {
+# Megatron module (in a transformer layer) -> (parallel style, the HF projections it fuses); a layer has
+# some of them (Llama: qkv; DeepSeek-V3: MLA's, and a dense MLP or shared experts)
+LINEARS = {
     "self_attention.linear_qkv": ("column", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "self_attention.linear_q_down_proj": ("column", ("self_attn.q_a_proj",)),
+    "self_attention.linear_q_up_proj": ("column", ("self_attn.q_b_proj",)),
+    "self_attention.linear_kv_down_proj": ("column", ("self_attn.kv_a_proj_with_mqa",)),
+    "self_attention.linear_kv_up_proj": ("column", ("self_attn.kv_b_proj",)),
     "self_attention.linear_proj": ("row", ("self_attn.o_proj",)),
     "mlp.linear_fc1": ("column", ("mlp.gate_proj", "mlp.up_proj")),
     "mlp.linear_fc2": ("row", ("mlp.down_proj",)),
+    "mlp.shared_experts.linear_fc1": ("column", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+    "mlp.shared_experts.linear_fc2": ("row", ("mlp.shared_experts.down_proj",)),
 }
 
 

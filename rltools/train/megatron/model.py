@@ -1,13 +1,15 @@
-"""The policy as a megatron-core GPTModel: built from a Llama-family HF config, loaded from its
-safetensors one weight at a time (each TP rank keeps its shard), with LoRA on the parallel linears.
+"""The policy as a megatron-core GPTModel: built from a Llama-family or DeepSeek-V3 (MLA + MoE) HF
+config, loaded from its safetensors one weight at a time (each TP rank keeps its shard, each EP rank
+its experts), with LoRA on the parallel linears.
 
 Invariants:
 - Each pipeline stage builds and loads only its own layers (the first stage the embedding, the last
-  the final norm and output layer); parameter names inside a stage count layers from 0, names
-  outside it (HF, PEFT, checkpoints) are global.
+  the final norm and output layer); parameter names inside a stage count layers from 0, and each EP
+  rank's routed experts from 0; names outside it (HF, PEFT, checkpoints) are global.
 - Every exported tensor has the Hugging Face name and full shape an HF model would load:
   `export_weights` merges the LoRA deltas and yields one weight at a time (gathered over TP just
-  before it is yielded, sent from its stage to rank 0), so no rank holds the whole model;
+  before it is yielded, a routed expert broadcast from its EP rank, sent from its stage to rank 0),
+  so no rank holds the whole model;
   `export_adapter` yields the same PEFT names
   (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) as the FSDP2 backend.
 - A tied embedding is untied when the pipeline has more than one stage: the last stage loads its
@@ -29,9 +31,11 @@ from ...errors import UserError
 from ...fused_layers import module_of
 from ...weight_sync import TensorStream
 from . import convert
-from .lora import FUSED, LoraParallelLinear, split_dim
+from .lora import LINEARS, LoraParallelLinear, split_dim
 from .parallel import (
+    ep_rank_size,
     every_stage,
+    expert_shards,
     gather,
     pp_rank_size,
     shards,
@@ -40,6 +44,24 @@ from .parallel import (
 )
 
 PEFT_PREFIX = "base_model.model."
+EXPERTS = "mlp.experts.local_experts."
+PROJECTIONS = {p.replace(".", "_"): p for _, ps in LINEARS.values() for p in ps}  # ParameterDict key -> HF path
+
+
+def _linears(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(path, module) of the layer's linears that LoRA can adapt (`lora.LINEARS`) which it has."""
+    for path in LINEARS:
+        parent, leaf = path.rsplit(".", 1)
+        module = getattr(_submodule(layer, parent), leaf, None)
+        if module is not None:
+            yield path, module
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 class MegatronPolicy(nn.Module):
@@ -51,17 +73,32 @@ class MegatronPolicy(nn.Module):
         self.config, self.model_type = gpt.config, gpt.model_type  # what megatron's schedules look up
         layers = gpt.decoder.layers
         self.first_layer = layers[0].layer_number - 1 if len(layers) else 0  # global index of local layer 0
+        ep_rank, ep_size = ep_rank_size()
+        self.local_experts = shape.experts // ep_size
+        self.first_expert = ep_rank * self.local_experts  # global index of this rank's local expert 0
 
     def set_input_tensor(self, tensor) -> None:
         """The previous stage's activations (megatron's pipeline schedules call it)."""
         self.gpt.set_input_tensor(tensor)
 
-    def global_name(self, name: str) -> str:
-        """A parameter name of this stage's GPTModel with the global layer number."""
+    def global_name(self, name: str, expert_offset: int | None = None) -> str:
+        """A parameter name of this stage's GPTModel with the global layer number (and, for a routed
+        expert, its global index: this rank's, or that of the EP rank `expert_offset` is the first
+        expert of)."""
         if not name.startswith("decoder.layers."):
             return name
         local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+        if rest.startswith(EXPERTS):
+            expert, rest = rest.removeprefix(EXPERTS).split(".", 1)
+            first = self.first_expert if expert_offset is None else expert_offset
+            rest = f"{EXPERTS}{int(expert) + first}.{rest}"
         return f"decoder.layers.{int(local) + self.first_layer}.{rest}"
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(local name, tensor) of every weight loaded from the checkpoint: the parameters and the
+        routers' score correction biases (buffers megatron would update, but never does here)."""
+        yield from self.gpt.named_parameters()
+        yield from ((n, b) for n, b in self.gpt.named_buffers() if n.endswith(".router.expert_bias"))
 
     def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, S, vocab] (full vocabulary on every TP rank) of left- or right-padded rows;
@@ -77,8 +114,7 @@ class MegatronPolicy(nn.Module):
     def lora_layers(self) -> Iterator[tuple[int, str, LoraParallelLinear]]:
         """(global layer index, module path, module) of this stage's LoRA-wrapped layers."""
         for i, layer in enumerate(self.gpt.decoder.layers):
-            for path in FUSED:
-                module = layer.get_submodule(path)
+            for path, module in _linears(layer):
                 if isinstance(module, LoraParallelLinear):
                     yield self.first_layer + i, path, module
 
@@ -100,30 +136,68 @@ def check_supported(config, hf_config, world_size: int) -> None:
     config-only part already ran at submit time (config.support.megatron_unsupported)."""
     from ...config.support import megatron_unsupported
 
-    tensor_parallel, pipeline_parallel = config.trainer.tensor_parallel, config.trainer.pipeline_parallel
-    lora_cfg = config.lora
+    t, lora_cfg = config.trainer, config.lora
+    tensor_parallel, pipeline_parallel, expert_parallel = t.tensor_parallel, t.pipeline_parallel, t.expert_parallel
     missing = megatron_unsupported(config)
     if world_size % (tensor_parallel * pipeline_parallel):
         missing.append(f"{world_size} trainer ranks: trainer.tensor_parallel x trainer.pipeline_parallel "
                        f"({tensor_parallel} x {pipeline_parallel}) must divide them")
+    if world_size % (expert_parallel * pipeline_parallel):
+        missing.append(f"{world_size} trainer ranks: trainer.expert_parallel x trainer.pipeline_parallel "
+                       f"({expert_parallel} x {pipeline_parallel}) must divide them")
     if hf_config.num_hidden_layers % pipeline_parallel:
         missing.append(f"{hf_config.num_hidden_layers} layers over trainer.pipeline_parallel {pipeline_parallel} "
                        "stages (it must divide the layer count)")
-    if getattr(hf_config, "model_type", None) != "llama" or getattr(hf_config, "hidden_act", "silu") != "silu":
-        missing.append(f"model type {getattr(hf_config, 'model_type', '?')} (Llama-family only)")
+    model_type = getattr(hf_config, "model_type", "?")
+    if model_type not in ("llama", "deepseek_v3") or getattr(hf_config, "hidden_act", "silu") != "silu":
+        missing.append(f"model type {model_type} (Llama-family and DeepSeek-V3 only)")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         missing.append("attention/MLP biases")
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         missing.append(f"RoPE scaling {rope.get('rope_type')}")
-    if hf_config.num_key_value_heads % tensor_parallel or hf_config.vocab_size % tensor_parallel:
-        missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads and the vocabulary")
-    unknown = set(lora_cfg.target_modules) - {p.rsplit(".", 1)[1] for _, ps in FUSED.values() for p in ps}
+    if model_type == "deepseek_v3":
+        missing += _deepseek_unsupported(hf_config, tensor_parallel, expert_parallel)
+        missing.append("training a DeepSeek-V3 (MLA + MoE) model yet: its Megatron model loads, converts and "
+                       "exports exactly, at any expert parallelism, but its GRPO steps are not yet verified "
+                       "against the FSDP2 backend's")
+    elif hf_config.num_key_value_heads % tensor_parallel:
+        missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads")
+    elif expert_parallel != 1:
+        missing.append(f"trainer.expert_parallel {expert_parallel} on a dense model (it has no experts)")
+    if hf_config.vocab_size % tensor_parallel:
+        missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the vocabulary")
+    adaptable = {p.rsplit(".", 1)[1] for _, ps in LINEARS.values() for p in ps}
+    unknown = set(lora_cfg.target_modules) - adaptable
     if unknown:
-        missing.append(f"LoRA on {sorted(unknown)}")
+        missing.append(f"LoRA on {sorted(unknown)} (this backend adapts {sorted(adaptable)}; "
+                       "on a MoE model the routed experts are not adapted)")
     if missing:
         raise UserError("trainer.backend: megatron does not support " + "; ".join(missing) +
                         " — use trainer.backend: fsdp2")
+
+
+def _deepseek_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> list[str]:
+    """What of a DeepSeek-V3-architecture config megatron's MLA and MoE layers would compute otherwise
+    than transformers does."""
+    missing = []
+    if hf.q_lora_rank is None:
+        missing.append("MLA without a query LoRA rank (q_lora_rank: null)")
+    if not getattr(hf, "rope_interleave", True):
+        missing.append("MLA with rope_interleave: false (megatron's MLA reads the RoPE channels interleaved)")
+    if tensor_parallel > 1:  # megatron's MoE layer refuses TP without sequence parallelism
+        missing.append(f"trainer.tensor_parallel {tensor_parallel} on a MoE model (it needs sequence parallelism, "
+                       "which this backend does not build: use trainer.expert_parallel and data parallelism)")
+    if hf.scoring_func != "sigmoid" or hf.topk_method != "noaux_tc" or not hf.norm_topk_prob:
+        missing.append(f"router scoring_func {hf.scoring_func} / topk_method {hf.topk_method} / norm_topk_prob "
+                       f"{hf.norm_topk_prob} (sigmoid, noaux_tc, normalised top-k only)")
+    if hf.n_group > 1 and hf.num_experts_per_tok // hf.topk_group != 2:
+        missing.append(f"group-limited routing with num_experts_per_tok // topk_group = "
+                       f"{hf.num_experts_per_tok // hf.topk_group} (megatron scores a group by that many experts, "
+                       "transformers by its top 2)")
+    if hf.n_routed_experts % expert_parallel:
+        missing.append(f"trainer.expert_parallel {expert_parallel} must divide the {hf.n_routed_experts} routed experts")
+    return missing
 
 
 def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, recompute: bool = False) -> MegatronPolicy:
@@ -145,7 +219,7 @@ def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, recompute
     if shape.tied and stages > 1:  # untied (see the module docstring): the output layer is the embedding
         names["output_layer.weight"] = names["embedding.word_embeddings.weight"]
     with _SafetensorsReader(model_cfg.path) as read, torch.no_grad():
-        for local, param in gpt.named_parameters():
+        for local, param in policy.weights():
             name = policy.global_name(local)
             full = convert.to_megatron(name, [read(n) for n in names[name]], shape)
             param.copy_(convert.shard(name, full, rank, size))
@@ -164,14 +238,14 @@ def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: 
                post_process: bool, recompute: bool = False) -> nn.Module:
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     shape = convert.Shape.from_hf(hf)
-    config = TransformerConfig(
+    common = dict(
         num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads,
-        kv_channels=shape.head_dim, normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps,
+        num_attention_heads=hf.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel, params_dtype=dtype, pipeline_dtype=dtype,
@@ -182,10 +256,34 @@ def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: 
         **(_RECOMPUTE if recompute else {}),
     )
     rope = getattr(hf, "rope_parameters", None) or {}
+    rotary_base = int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    if shape.mla:
+        _without_transformer_engine()
+        config = MLATransformerConfig(
+            **common, kv_channels=hf.v_head_dim, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+            qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+            qk_layernorm=True, rope_type="rope", rotary_base=rotary_base,
+            num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size or None,
+            moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=hf.routed_scaling_factor,
+            moe_router_num_groups=hf.n_group if hf.n_group > 1 else None,
+            moe_router_group_topk=hf.topk_group if hf.n_group > 1 else None,
+            moe_router_dtype="fp32",  # transformers scores the router in float32 too
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # the router is frozen
+            moe_layer_freq=[int(shape.is_moe(i)) for i in range(hf.num_hidden_layers)],
+        )
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        core_attention = _mla_core_attention()
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+    else:
+        config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     gpt = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=spec,
         vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+        position_embedding_type="none" if shape.mla else "rope", rotary_base=rotary_base,
         share_embeddings_and_output_weights=shape.tied and pipeline_parallel == 1, parallel_output=False,
         pre_process=pre_process, post_process=post_process,
     )
@@ -197,6 +295,35 @@ def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: 
     return gpt
 
 
+def _without_transformer_engine() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: its MLA module takes TE for present (the TE
+    extension defines `TELinear` on a mock, so `isinstance(..., TELinear)` raises) and its router's
+    gating function reads a `te_general_gemm` that is then never defined. Say they are absent."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+
+
+def _mla_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        """megatron's local attention for MLA, whose keys (qk head dim) are wider than its values
+        (`kv_channels`): MLA passes both widths, which the local module (0.16.1) does not take;
+        it computes with any key width, and its output width is the values'."""
+
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            assert v_channels in (None, self.config.kv_channels), (v_channels, self.config.kv_channels)
+
+    return MLADotProductAttention
+
+
 def _output_needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
@@ -206,8 +333,8 @@ def _add_lora(policy: MegatronPolicy, lora_cfg: LoraConfig, tp_size: int) -> Non
     groups = shape.kv_heads // tp_size
     targets = set(lora_cfg.target_modules)
     for layer in policy.gpt.decoder.layers:
-        for path, (style, projections) in FUSED.items():
-            base = layer.get_submodule(path)
+        for path, base in list(_linears(layer)):
+            style, projections = LINEARS[path]
             weight = base.weight
             rows = _column_rows(path, shape, weight.shape[0]) if style == "column" else [weight.shape[0]]
             parts = {p: (r, weight.shape[1]) for p, r in zip(projections, rows)}
@@ -232,7 +359,9 @@ def _column_rows(path: str, shape: convert.Shape, local_rows: int) -> list[int]:
         groups = local_rows // ((shape.heads // shape.kv_heads + 2) * shape.head_dim)
         q = groups * shape.heads // shape.kv_heads * shape.head_dim
         return [q, groups * shape.head_dim, groups * shape.head_dim]
-    return [local_rows // 2, local_rows // 2]
+    if path.endswith("linear_fc1"):
+        return [local_rows // 2, local_rows // 2]
+    return [local_rows]
 
 
 class _SafetensorsReader:
@@ -282,8 +411,7 @@ def export_adapter(policy: MegatronPolicy) -> TensorStream:
 
 def projection_of(key: str) -> str:
     """ParameterDict key ('self_attn_q_proj') -> HF projection path ('self_attn.q_proj')."""
-    block = "mlp" if key.startswith("mlp_") else "self_attn"
-    return f"{block}.{key.removeprefix(block + '_')}"
+    return PROJECTIONS[key]
 
 
 def load_adapter(policy: MegatronPolicy, tensors: dict[str, torch.Tensor]) -> None:
@@ -303,8 +431,8 @@ def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
                    modules: frozenset[str] | None = None) -> TensorStream:
     """(HF name, full tensor) of every weight with the LoRA deltas merged (with `modules`, of the
     Megatron weights holding a module so named, `fused_layers.module_of`), one Megatron weight at a
-    time: gathered over TP, merged, split into its HF tensors, yielded on rank 0 (sent there from a
-    later pipeline stage), dropped; so no rank holds the whole model, and the weight sender, which
+    time: gathered over TP (a routed expert: broadcast from its EP rank), merged, split into its HF
+    tensors, yielded on rank 0 (sent there from a later pipeline stage), dropped; so no rank holds the whole model, and the weight sender, which
     knows every tensor's name, dtype and shape up front (the stream's specs), need not either.
 
     Collective over the trainer ranks (`parallel.to_first_stage`): rank 0 gets every tensor, the
@@ -314,18 +442,28 @@ def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
     adapters = {f"decoder.layers.{i}.{path}": m for i, path, m in policy.lora_layers()}
     names = convert.name_map(shape)  # without the output layer of a tied model: HF loads none
 
-    def stage_weights(meta: bool):
-        for local, param in policy.gpt.named_parameters():
-            name = policy.global_name(local.replace(".base.weight", ".weight"))
+    def full_weights(meta: bool):
+        """(global Megatron name, full tensor) of every weight to export (routed experts: of every EP rank)."""
+        for local, param in policy.weights():
+            local = local.replace(".base.weight", ".weight")
+            name = policy.global_name(local)
             if name not in names:
                 continue  # the LoRA matrices themselves, or the untied copy of a tied embedding
             if modules is not None and not any(module_of(hf_name) in modules for hf_name in names[name]):
                 continue
+            if f".{EXPERTS}" in name:  # whole on its EP rank
+                for ep_rank, expert in enumerate([param] * ep_rank_size()[1] if meta else expert_shards(param)):
+                    name = policy.global_name(local, expert_offset=ep_rank * policy.local_experts)
+                    yield name, _full_on_meta(expert, None) if meta else expert
+                continue
             dim = convert.split_dim(name)
             if meta:
-                full = _full_on_meta(param, dim)
+                yield name, _full_on_meta(param, dim)
             else:
-                full = convert.unshard(name, shards(param) if dim is not None else [param.detach()])
+                yield name, convert.unshard(name, shards(param) if dim is not None else [param.detach()])
+
+    def stage_weights(meta: bool):
+        for name, full in full_weights(meta):
             module = None if meta else adapters.get(name.removesuffix(".weight"))
             for hf_name, tensor in zip(names[name], convert.to_hf(name, full, shape)):
                 yield hf_name, tensor if module is None else _merged(module, hf_name, tensor, scale)
@@ -351,7 +489,7 @@ def _full_on_meta(param: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 def _merged(module: LoraParallelLinear, hf_name: str, tensor: torch.Tensor, scale: float) -> torch.Tensor:
     """`tensor` (the full HF weight `hf_name` of a LoRA-wrapped layer) plus its adapter's delta."""
-    key = ".".join(hf_name.split(".")[-3:-1]).replace(".", "_")  # model.layers.0.self_attn.q_proj.weight
+    key = hf_name.split(".", 3)[3].removesuffix(".weight").replace(".", "_")  # model.layers.0.self_attn.q_proj.weight
     if key not in module.lora_A:
         return tensor
     a = gather(module.lora_A[key], split_dim(module.style, "A")).float()

@@ -2,11 +2,13 @@
 
 megatron-core lays trainer ranks out TP-innermost, then DP, then PP: the ranks of one pipeline
 stage are contiguous, global rank 0 is (TP 0, DP 0, stage 0), and the last stage holds the loss.
+MoE layers lay the ranks of a stage out again for their experts: EP innermost (expert tensor
+parallelism is 1), then expert DP; each EP rank holds its contiguous block of the routed experts.
 
 Invariants:
-- `gather` is collective over this rank's TP group; `to_first_stage` and `from_last_stage` over its
-  pipeline group (the ranks with its TP and DP rank, one per stage). Every trainer rank calls them
-  in the same order.
+- `gather` is collective over this rank's TP group, `expert_shards` over its EP group;
+  `to_first_stage` and `from_last_stage` over its pipeline group (the ranks with its TP and DP rank,
+  one per stage). Every trainer rank calls them in the same order.
 - `to_first_stage` streams: a later stage sends one tensor at a time and waits until it is taken,
   so the first stage never holds more than one of another stage's tensors besides what its own
   consumer keeps.
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 
-def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> None:
+def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int, expert_parallel: int = 1) -> None:
     """megatron's process groups (torch.distributed must be initialised with more than one rank)."""
     from megatron.core import parallel_state, tensor_parallel as tp
 
@@ -26,7 +28,9 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> No
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             pipeline_model_parallel_size=pipeline_parallel)
+                                             pipeline_model_parallel_size=pipeline_parallel,
+                                             expert_model_parallel_size=expert_parallel,
+                                             expert_tensor_parallel_size=1)
     tp.model_parallel_cuda_manual_seed(seed)
 
 
@@ -40,6 +44,28 @@ def pp_rank_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def ep_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def expert_shards(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Every EP rank's `tensor` (of the same shape), in EP rank order, one at a time: each is
+    broadcast by its rank only when the consumer asks for it (collective over the EP group)."""
+    from megatron.core import parallel_state
+
+    rank, size = ep_rank_size()
+    if size == 1:
+        yield tensor.detach()
+        return
+    group = parallel_state.get_expert_model_parallel_group()
+    for source in range(size):
+        out = tensor.detach().contiguous() if source == rank else torch.empty_like(tensor)
+        dist.broadcast(out, src=dist.get_global_rank(group, source), group=group)
+        yield out
 
 
 def shards(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,150 @@
+"""The Megatron backend's DeepSeek-V3 model (MLA + MoE: megatron-core's own MLA attention and MoE
+layers, local spec) on the shipped tiny-moe-arith, against transformers and the FSDP2 backend's
+peft model: at EP 1 (one rank), EP 2 and EP 4 (two and four ranks, data-parallel for the rest of
+the model; tokens travel by megatron's all-to-all token dispatcher), on CPU processes (gloo)
+through `tests/megatron_cpu.py`.
+
+Each layout runs once (module fixture): its ranks load the checkpoint, set the adapters a peft
+model made (with non-zero B, so LoRA on every MLA projection, the dense MLP and the shared experts
+counts), and record logits, the merged weight export and the expert weight bytes of each rank.
+"""
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from rltools.config.schema import LoraConfig, ModelConfig
+from rltools.train.model import export_adapter, export_weights, load_policy
+from tests.spawn import spawn
+
+MOE = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-moe-arith"
+TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
+# layout -> (trainer ranks, PP, EP)
+LAYOUTS = {"ep1": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4)}
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 100, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    return ids, mask
+
+
+def _worker(rank: int, world: int, port: int, run_dir: str, pp: int, ep: int) -> None:
+    import torch.distributed as dist
+
+    from rltools.train.megatron.model import export_weights as m_weights
+    from rltools.train.megatron.model import load_adapter, load_megatron_policy
+    from rltools.train.megatron.parallel import init_parallel
+    from tests.megatron_cpu import megatron_on_cpu
+
+    from .test_megatron import _logits
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    with megatron_on_cpu():
+        init_parallel(1, pp, seed=0, expert_parallel=ep)
+        policy = load_megatron_policy(ModelConfig(path=str(MOE), dtype="float32"), LORA)
+        base_logits = _logits(policy, _ids())
+        load_adapter(policy, torch.load(f"{run_dir}/adapter.pt"))
+        result = {"base_logits": base_logits, "logits": _logits(policy, _ids()),
+                  "weights": {name: tensor.clone() for name, tensor in m_weights(policy)}}
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in policy.gpt.named_parameters()
+                           if ".mlp.experts." in n)
+        every = [None] * world
+        dist.all_gather_object(every, expert_bytes)
+        result["expert_bytes"] = every
+    if rank == 0:
+        torch.save(result, f"{run_dir}/result.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The peft model with perturbed adapters: its adapter, merged export and logits (base and adapted)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(path=str(MOE), dtype="float32"), LORA)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)  # B starts at zero: make the adapters matter
+    ids, mask = _ids()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids, attention_mask=mask).logits
+    return {"adapter": dict(export_adapter(model)), "logits": logits, "base_logits": base,
+            "weights": {name: tensor.clone() for name, tensor in export_weights(model, LORA.alpha / LORA.rank)}}
+
+
+@pytest.fixture(scope="module")
+def runs(reference, tmp_path_factory):
+    done = {}
+
+    def run(layout: str) -> dict:
+        if layout not in done:
+            run_dir = tmp_path_factory.mktemp(layout)
+            torch.save(reference["adapter"], run_dir / "adapter.pt")
+            world, pp, ep = LAYOUTS[layout]
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            spawn(_worker, args=(world, port, str(run_dir), pp, ep), nprocs=world)
+            done[layout] = torch.load(run_dir / "result.pt", weights_only=False)
+        return done[layout]
+
+    return run
+
+
+def test_conversion_round_trip_is_exact():
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from rltools.train.megatron import convert
+
+    hf = load_file(str(MOE / "model.safetensors"))
+    shape = convert.Shape.from_hf(AutoConfig.from_pretrained(MOE))
+    assert shape.mla and shape.dense_layers == 1 and shape.experts == 8 and shape.shared_experts
+    back = {}
+    for name, hf_names in convert.name_map(shape).items():
+        full = convert.to_megatron(name, [hf[n] for n in hf_names], shape)
+        shards = [convert.shard(name, full, r, 2) for r in range(2)]
+        assert torch.equal(convert.unshard(name, shards), full)
+        if ".mlp.experts." in name:  # whole on its EP rank: never split over TP
+            assert all(torch.equal(s, full) for s in shards)
+        back.update(zip(hf_names, convert.to_hf(name, full, shape)))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_equal_transformers_and_peft(layout, runs, reference):
+    run = runs(layout)
+    real = _ids()[1].bool()  # padding positions produce junk logits
+    assert (run["base_logits"][real] - reference["base_logits"][real]).abs().max() < 1e-4
+    assert (run["logits"][real] - reference["logits"][real]).abs().max() < 1e-4
+    assert (run["logits"] - run["base_logits"]).abs().max() > 1e-2  # the adapters count
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_merged_export_is_the_fsdp2_backends(layout, runs, reference):
+    """Every HF tensor, routed experts of every EP rank included, with the LoRA deltas merged as peft
+    merges them: the generators cannot tell the backends apart."""
+    weights, expected = runs(layout)["weights"], reference["weights"]
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert weights[name].dtype == tensor.dtype and weights[name].shape == tensor.shape, name
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep4"])
+def test_each_rank_holds_only_its_experts(layout, runs):
+    """Bytes of routed-expert weights per rank: 1/EP of the whole (which one rank holds at EP 1)."""
+    world, _, ep = LAYOUTS[layout]
+    whole = runs("ep1")["expert_bytes"][0]
+    assert runs(layout)["expert_bytes"] == [whole // ep] * world and whole % ep == 0
