@@ -12,6 +12,7 @@ from tests.conftest import REPO
 pytest.importorskip("torch")
 
 LLAMA = SimpleNamespace(model_type="llama", hidden_act="silu", num_key_value_heads=4, vocab_size=100, num_hidden_layers=4,
+                        hidden_size=64, num_attention_heads=4, tie_word_embeddings=False,
                         rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 
@@ -89,6 +90,11 @@ def _deepseek(**changes):
 def test_a_deepseek_v3_model_is_refused_with_what_is_missing(changes, kwargs, message):
     with pytest.raises(UserError, match=message):
         check(hf=_deepseek(**changes), **kwargs)
+
+
+def test_a_llama_model_refuses_the_mla_projections_it_does_not_have():
+    with pytest.raises(UserError, match=r"LoRA on \['q_a_proj'\]"):
+        check(lora=LoraConfig(target_modules=["q_proj", "q_a_proj"]))
 
 
 def test_a_dense_model_has_no_experts_to_spread():

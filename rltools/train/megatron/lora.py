@@ -1,8 +1,9 @@
 """LoRA on Megatron's tensor-parallel linear layers, one adapter per Hugging Face projection.
 
 Megatron fuses q/k/v (`linear_qkv`) and gate/up (`linear_fc1`, of a dense MLP or the shared
-experts); PEFT adapts each projection on its own. MLA's projections are one HF projection each. So a fused layer carries one (A, B) pair per targeted projection, exactly PEFT's tensors, and
-the deltas are laid out the way the fused output is (per query group for q/k/v, [gate; up] for fc1).
+experts); PEFT adapts each projection on its own (MLA's projections are one HF projection each).
+So a fused layer carries one (A, B) pair per targeted projection, exactly PEFT's tensors, and the
+deltas are laid out the way the fused output is (per query group for q/k/v, [gate; up] for fc1).
 
 Sharding follows the base layer, so no adapter is ever gathered in the forward pass:
 - column-parallel (qkv, fc1; output split over TP): A [r, in] replicated, B [out/TP, r] split.

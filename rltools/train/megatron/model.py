@@ -31,6 +31,7 @@ from ...errors import UserError
 from ...fused_layers import module_of
 from ...weight_sync import TensorStream
 from . import convert
+from .build import build_gpt
 from .lora import LINEARS, LoraParallelLinear, split_dim
 from .parallel import (
     ep_rank_size,
@@ -73,24 +74,22 @@ class MegatronPolicy(nn.Module):
         self.config, self.model_type = gpt.config, gpt.model_type  # what megatron's schedules look up
         layers = gpt.decoder.layers
         self.first_layer = layers[0].layer_number - 1 if len(layers) else 0  # global index of local layer 0
-        ep_rank, ep_size = ep_rank_size()
-        self.local_experts = shape.experts // ep_size
-        self.first_expert = ep_rank * self.local_experts  # global index of this rank's local expert 0
+        self.ep_rank, ep_size = ep_rank_size()
+        self.local_experts = shape.experts // ep_size  # routed experts per EP rank
 
     def set_input_tensor(self, tensor) -> None:
         """The previous stage's activations (megatron's pipeline schedules call it)."""
         self.gpt.set_input_tensor(tensor)
 
-    def global_name(self, name: str, expert_offset: int | None = None) -> str:
+    def global_name(self, name: str, ep_rank: int | None = None) -> str:
         """A parameter name of this stage's GPTModel with the global layer number (and, for a routed
-        expert, its global index: this rank's, or that of the EP rank `expert_offset` is the first
-        expert of)."""
+        expert, its global index: as held by EP rank `ep_rank`, by default this rank)."""
         if not name.startswith("decoder.layers."):
             return name
         local, rest = name.removeprefix("decoder.layers.").split(".", 1)
         if rest.startswith(EXPERTS):
             expert, rest = rest.removeprefix(EXPERTS).split(".", 1)
-            first = self.first_expert if expert_offset is None else expert_offset
+            first = (self.ep_rank if ep_rank is None else ep_rank) * self.local_experts
             rest = f"{EXPERTS}{int(expert) + first}.{rest}"
         return f"decoder.layers.{int(local) + self.first_layer}.{rest}"
 
@@ -167,7 +166,7 @@ def check_supported(config, hf_config, world_size: int) -> None:
         missing.append(f"trainer.expert_parallel {expert_parallel} on a dense model (it has no experts)")
     if hf_config.vocab_size % tensor_parallel:
         missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the vocabulary")
-    adaptable = {p.rsplit(".", 1)[1] for _, ps in LINEARS.values() for p in ps}
+    adaptable = _adaptable(convert.Shape.from_hf(hf_config))
     unknown = set(lora_cfg.target_modules) - adaptable
     if unknown:
         missing.append(f"LoRA on {sorted(unknown)} (this backend adapts {sorted(adaptable)}; "
@@ -175,6 +174,15 @@ def check_supported(config, hf_config, world_size: int) -> None:
     if missing:
         raise UserError("trainer.backend: megatron does not support " + "; ".join(missing) +
                         " — use trainer.backend: fsdp2")
+
+
+def _adaptable(shape: convert.Shape) -> set[str]:
+    """The HF projection names LoRA can adapt in a model of this shape (`lora.LINEARS` it has)."""
+    kinds = ["self_attention.linear_proj"]
+    kinds += ["self_attention.linear_q_", "self_attention.linear_kv_"] if shape.mla else ["self_attention.linear_qkv"]
+    kinds += ["mlp.linear_fc"] if shape.dense_layers != 0 else []
+    kinds += ["mlp.shared_experts."] if shape.shared_experts else []
+    return {p.rsplit(".", 1)[1] for path, (_, ps) in LINEARS.items() if path.startswith(tuple(kinds)) for p in ps}
 
 
 def _deepseek_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> list[str]:
@@ -212,7 +220,7 @@ def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, recompute
     shape = convert.Shape.from_hf(hf_config)
     rank, size = tp_rank_size()
     stage, stages = pp_rank_size()
-    gpt = _build_gpt(hf_config, DTYPES[model_cfg.dtype], size, stages,
+    gpt = build_gpt(hf_config, DTYPES[model_cfg.dtype], size, stages,
                      pre_process=stage == 0, post_process=stage == stages - 1, recompute=recompute)
     policy = MegatronPolicy(gpt, shape, lora_cfg.alpha / lora_cfg.rank)
     names = convert.name_map(shape)
@@ -227,105 +235,6 @@ def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, recompute
         p.requires_grad_(False)
     _add_lora(policy, lora_cfg, size)
     return policy
-
-
-# Every layer keeps only its input for backward and runs its forward again there (megatron's
-# `tensor_parallel.checkpoint`, which also replays the RNG states of its model-parallel tracker).
-_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-
-
-def _build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: int, *, pre_process: bool,
-               post_process: bool, recompute: bool = False) -> nn.Module:
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    shape = convert.Shape.from_hf(hf)
-    common = dict(
-        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=hf.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
-        perform_initialization=False,  # every weight is overwritten from the checkpoint
-        variable_seq_lengths=True,  # micro batches are as long as their own samples: stages swap shapes
-        moe_token_dispatcher_type="alltoall",  # dense models use none; megatron refuses its default here
-        **(_RECOMPUTE if recompute else {}),
-    )
-    rope = getattr(hf, "rope_parameters", None) or {}
-    rotary_base = int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-    if shape.mla:
-        _without_transformer_engine()
-        config = MLATransformerConfig(
-            **common, kv_channels=hf.v_head_dim, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
-            qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
-            qk_layernorm=True, rope_type="rope", rotary_base=rotary_base,
-            num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
-            moe_shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size or None,
-            moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=hf.routed_scaling_factor,
-            moe_router_num_groups=hf.n_group if hf.n_group > 1 else None,
-            moe_router_group_topk=hf.topk_group if hf.n_group > 1 else None,
-            moe_router_dtype="fp32",  # transformers scores the router in float32 too
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # the router is frozen
-            moe_layer_freq=[int(shape.is_moe(i)) for i in range(hf.num_hidden_layers)],
-        )
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        core_attention = _mla_core_attention()
-        for layer_spec in spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = core_attention
-    else:
-        config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim)
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    gpt = GPTModel(
-        config=config, transformer_layer_spec=spec,
-        vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
-        position_embedding_type="none" if shape.mla else "rope", rotary_base=rotary_base,
-        share_embeddings_and_output_weights=shape.tied and pipeline_parallel == 1, parallel_output=False,
-        pre_process=pre_process, post_process=post_process,
-    )
-    if recompute and pre_process:
-        # megatron's recompute is a reentrant autograd Function: its output needs a gradient only if
-        # its input does, and the frozen embedding's output needs none — without this the LoRA
-        # weights inside the layers would get no gradient (later stages receive inputs that do).
-        gpt.embedding.register_forward_hook(_output_needs_grad)
-    return gpt
-
-
-def _without_transformer_engine() -> None:
-    """megatron-core 0.16.1 without Transformer Engine: its MLA module takes TE for present (the TE
-    extension defines `TELinear` on a mock, so `isinstance(..., TELinear)` raises) and its router's
-    gating function reads a `te_general_gemm` that is then never defined. Say they are absent."""
-    from megatron.core.extensions import transformer_engine
-    from megatron.core.transformer import multi_latent_attention
-    from megatron.core.transformer.moe import moe_utils
-
-    if not transformer_engine.HAVE_TE:
-        multi_latent_attention.HAVE_TE = False
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
-
-
-def _mla_core_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class MLADotProductAttention(DotProductAttention):
-        """megatron's local attention for MLA, whose keys (qk head dim) are wider than its values
-        (`kv_channels`): MLA passes both widths, which the local module (0.16.1) does not take;
-        it computes with any key width, and its output width is the values'."""
-
-        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-            assert v_channels in (None, self.config.kv_channels), (v_channels, self.config.kv_channels)
-
-    return MLADotProductAttention
-
-
-def _output_needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
-    return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
 
 def _add_lora(policy: MegatronPolicy, lora_cfg: LoraConfig, tp_size: int) -> None:
@@ -453,8 +362,7 @@ def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
                 continue
             if f".{EXPERTS}" in name:  # whole on its EP rank
                 for ep_rank, expert in enumerate([param] * ep_rank_size()[1] if meta else expert_shards(param)):
-                    name = policy.global_name(local, expert_offset=ep_rank * policy.local_experts)
-                    yield name, _full_on_meta(expert, None) if meta else expert
+                    yield policy.global_name(local, ep_rank), _full_on_meta(expert, None) if meta else expert
                 continue
             dim = convert.split_dim(name)
             if meta:

@@ -1,0 +1,107 @@
+"""megatron-core's GPTModel for an HF config: its TransformerConfig and layer spec (the local spec, no
+Transformer Engine), for a Llama-family model or a DeepSeek-V3 one (megatron's MLA attention and MoE
+layers), and the mends megatron-core 0.16.1 needs to build the latter without Transformer Engine."""
+
+import torch
+from torch import nn
+
+from . import convert
+
+
+# Every layer keeps only its input for backward and runs its forward again there (megatron's
+# `tensor_parallel.checkpoint`, which also replays the RNG states of its model-parallel tracker).
+_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: int, *, pre_process: bool,
+              post_process: bool, recompute: bool = False) -> nn.Module:
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    shape = convert.Shape.from_hf(hf)
+    common = dict(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is overwritten from the checkpoint
+        variable_seq_lengths=True,  # micro batches are as long as their own samples: stages swap shapes
+        moe_token_dispatcher_type="alltoall",  # dense models use none; megatron refuses its default here
+        **(_RECOMPUTE if recompute else {}),
+    )
+    rope = getattr(hf, "rope_parameters", None) or {}
+    rotary_base = int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    if shape.mla:
+        _without_transformer_engine()
+        config = MLATransformerConfig(
+            **common, kv_channels=hf.v_head_dim, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+            qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+            qk_layernorm=True, rope_type="rope", rotary_base=rotary_base,
+            num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size or None,
+            moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=hf.routed_scaling_factor,
+            moe_router_num_groups=hf.n_group if hf.n_group > 1 else None,
+            moe_router_group_topk=hf.topk_group if hf.n_group > 1 else None,
+            moe_router_dtype="fp32",  # transformers scores the router in float32 too
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # the router is frozen
+            moe_layer_freq=[int(shape.is_moe(i)) for i in range(hf.num_hidden_layers)],
+        )
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        core_attention = _mla_core_attention()
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+    else:
+        config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    gpt = GPTModel(
+        config=config, transformer_layer_spec=spec,
+        vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
+        position_embedding_type="none" if shape.mla else "rope", rotary_base=rotary_base,
+        share_embeddings_and_output_weights=shape.tied and pipeline_parallel == 1, parallel_output=False,
+        pre_process=pre_process, post_process=post_process,
+    )
+    if recompute and pre_process:
+        # megatron's recompute is a reentrant autograd Function: its output needs a gradient only if
+        # its input does, and the frozen embedding's output needs none — without this the LoRA
+        # weights inside the layers would get no gradient (later stages receive inputs that do).
+        gpt.embedding.register_forward_hook(_output_needs_grad)
+    return gpt
+
+
+def _without_transformer_engine() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: its MLA module takes TE for present (the TE
+    extension defines `TELinear` on a mock, so `isinstance(..., TELinear)` raises) and its router's
+    gating function reads a `te_general_gemm` that is then never defined. Say they are absent."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+
+
+def _mla_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        """megatron's local attention for MLA, whose keys (qk head dim) are wider than its values
+        (`kv_channels`): MLA passes both widths, which the local module (0.16.1) does not take;
+        it computes with any key width, and its output width is the values'."""
+
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            assert v_channels in (None, self.config.kv_channels), (v_channels, self.config.kv_channels)
+
+    return MLADotProductAttention
+
+
+def _output_needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
+    return output.requires_grad_(True) if torch.is_grad_enabled() else output
