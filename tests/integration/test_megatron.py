@@ -20,8 +20,9 @@ from rltools.train.model import export_adapter, load_policy
 from tests.spawn import spawn
 
 from .adam_bound import adapter_atol, assert_runs_agree, condition
-from .test_trainer import LORA, _train_one_step, synthetic_batch
+from .test_trainer import _train_one_step, synthetic_batch
 
+LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])  # test_trainer's + lm_head
 STEPS = 3  # GRPO steps compared with FSDP2; the checkpoint is written after step 1
 LR = 1e-2
 KL = AlgorithmConfig(learning_rate=LR, kl_coef=0.5)
@@ -214,7 +215,7 @@ def fsdp2(tiny_model, tmp_path_factory):
     """Two GRPO steps of the FSDP2 backend (one rank; it equals two ranks: test_trainer.py), AdamW
     conditioned as the Megatron runs (adam_bound.condition)."""
     out = tmp_path_factory.mktemp("fsdp2") / "fsdp.pt"
-    _train_one_step(0, 1, str(tiny_model), 0, str(out))  # seed 0 adapters, as the Megatron runs start
+    _train_one_step(0, 1, str(tiny_model), 0, str(out), lora=LORA)  # seed 0 adapters, as the Megatron runs start
     return torch.load(out)
 
 

@@ -15,13 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltools.config.schema import LoraConfig, ModelConfig
+from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
 from rltools.train.model import export_adapter, export_weights, load_policy
 from tests.spawn import spawn
 
+from .adam_bound import assert_runs_agree, condition
+from .test_trainer import _train_one_step, synthetic_batch
+
 MOE = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-moe-arith"
-TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "lm_head"]  # moe-demo.yaml's
 LORA = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
+STEPS = 2  # GRPO steps compared with FSDP2
+LR = 1e-2  # as _train_one_step's
 # layout -> (trainer ranks, PP, EP)
 LAYOUTS = {"ep1": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4)}
 
@@ -33,12 +39,17 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _worker(rank: int, world: int, port: int, run_dir: str, pp: int, ep: int) -> None:
+def _worker(rank: int, world: int, port: int, run_dir: str, pp: int, ep: int, mode: str) -> None:
+    """mode "forward": logits (base and adapted), merged export and expert bytes per rank of the
+    perturbed adapters; "train": STEPS GRPO steps from the initial ones."""
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
+    from rltools.train.megatron.model import export_adapter as m_adapter
     from rltools.train.megatron.model import export_weights as m_weights
     from rltools.train.megatron.model import load_adapter, load_megatron_policy
     from rltools.train.megatron.parallel import init_parallel
+    from rltools.train.megatron.trainer import MegatronTrainer
     from tests.megatron_cpu import megatron_on_cpu
 
     from .test_megatron import _logits
@@ -49,17 +60,26 @@ def _worker(rank: int, world: int, port: int, run_dir: str, pp: int, ep: int) ->
     with megatron_on_cpu():
         init_parallel(1, pp, seed=0, expert_parallel=ep)
         policy = load_megatron_policy(ModelConfig(path=str(MOE), dtype="float32"), LORA)
-        base_logits = _logits(policy, _ids())
-        load_adapter(policy, torch.load(f"{run_dir}/adapter.pt"))
-        result = {"base_logits": base_logits, "logits": _logits(policy, _ids()),
-                  "weights": {name: tensor.clone() for name, tensor in m_weights(policy)}}
-        expert_bytes = sum(p.numel() * p.element_size() for n, p in policy.gpt.named_parameters()
-                           if ".mlp.experts." in n)
-        every = [None] * world
-        dist.all_gather_object(every, expert_bytes)
-        result["expert_bytes"] = every
+        if mode == "forward":
+            base_logits = _logits(policy, _ids())
+            load_adapter(policy, torch.load(f"{run_dir}/adapter.pt"))
+            result = {"base_logits": base_logits, "logits": _logits(policy, _ids())}
+            expert_bytes = sum(p.numel() * p.element_size() for n, p in policy.gpt.named_parameters()
+                               if ".mlp.experts." in n)
+            every = [None] * world
+            dist.all_gather_object(every, expert_bytes)
+            result["expert_bytes"] = every
+        else:
+            load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
+            trainer = condition(MegatronTrainer(policy, AlgorithmConfig(learning_rate=LR), micro_batch_size=2,
+                                                max_new_tokens=6, pad_id=0, device=torch.device("cpu"),
+                                                rank=parallel_state.get_data_parallel_rank(),
+                                                world_size=parallel_state.get_data_parallel_world_size()))
+            result = {"metrics": [trainer.step(synthetic_batch(seed=step)) for step in range(STEPS)],
+                      "adapter": {name: tensor.clone() for name, tensor in m_adapter(policy)}}
+        result["weights"] = {name: tensor.clone() for name, tensor in m_weights(policy)}
     if rank == 0:
-        torch.save(result, f"{run_dir}/result.pt")
+        torch.save(result, f"{run_dir}/{mode}.pt")
     dist.destroy_process_group()
 
 
@@ -69,6 +89,7 @@ def reference():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(MOE), dtype="float32"), LORA)
+    initial = {name: tensor.clone() for name, tensor in export_adapter(model)}  # as the FSDP2 run starts (seed 0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -78,7 +99,7 @@ def reference():
         logits = model(input_ids=ids, attention_mask=mask).logits
         with model.disable_adapter():
             base = model(input_ids=ids, attention_mask=mask).logits
-    return {"adapter": dict(export_adapter(model)), "logits": logits, "base_logits": base,
+    return {"initial_adapter": initial, "adapter": dict(export_adapter(model)), "logits": logits, "base_logits": base,
             "weights": {name: tensor.clone() for name, tensor in export_weights(model, LORA.alpha / LORA.rank)}}
 
 
@@ -86,17 +107,18 @@ def reference():
 def runs(reference, tmp_path_factory):
     done = {}
 
-    def run(layout: str) -> dict:
-        if layout not in done:
-            run_dir = tmp_path_factory.mktemp(layout)
+    def run(layout: str, mode: str = "forward") -> dict:
+        if (layout, mode) not in done:
+            run_dir = tmp_path_factory.mktemp(f"{layout}_{mode}")
             torch.save(reference["adapter"], run_dir / "adapter.pt")
+            torch.save(reference["initial_adapter"], run_dir / "initial_adapter.pt")
             world, pp, ep = LAYOUTS[layout]
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            spawn(_worker, args=(world, port, str(run_dir), pp, ep), nprocs=world)
-            done[layout] = torch.load(run_dir / "result.pt", weights_only=False)
-        return done[layout]
+            spawn(_worker, args=(world, port, str(run_dir), pp, ep, mode), nprocs=world)
+            done[layout, mode] = torch.load(run_dir / f"{mode}.pt", weights_only=False)
+        return done[layout, mode]
 
     return run
 
@@ -148,3 +170,28 @@ def test_each_rank_holds_only_its_experts(layout, runs):
     world, _, ep = LAYOUTS[layout]
     whole = runs("ep1")["expert_bytes"][0]
     assert runs(layout)["expert_bytes"] == [whole // ep] * world and whole % ep == 0
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    """STEPS GRPO steps of the FSDP2 backend on one rank, AdamW conditioned as the Megatron runs."""
+    out = tmp_path_factory.mktemp("fsdp2") / "fsdp.pt"
+    _train_one_step(0, 1, str(MOE), 0, str(out), lora=LORA)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2"])
+def test_grpo_steps_match_fsdp2_on_the_same_data(layout, runs, fsdp2):
+    """Same adapters at start, same rollouts: loss, grad norm and the trained adapters and merged
+    weights follow the FSDP2 backend's, at EP 2 too (each rank trains on half the samples; their
+    tokens reach the experts of both ranks by the token dispatcher, and come back)."""
+    run = runs(layout, "train")
+    assert len(run["metrics"]) == len(fsdp2["metrics"]) == STEPS
+    for ours, theirs in zip(run["metrics"], fsdp2["metrics"]):
+        assert ours.keys() == theirs.keys()
+        assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-4)
+    assert run["metrics"][0]["grad_norm"] > 0 and fsdp2["lr"] == LR
+    assert_runs_agree(run, fsdp2, lr=LR, grad_norms=[m["grad_norm"] for m in fsdp2["metrics"]],
+                      lora_scale=LORA.alpha / LORA.rank, lora_rank=LORA.rank)

@@ -24,9 +24,16 @@ def check(lora=LoraConfig(), model=ModelConfig(path="m"), hf=LLAMA, tp=2, pp=1, 
     check_supported(config, hf, world)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(tp=1, pp=2), dict(tp=2, pp=2, world=8), dict(tp=1, pp=4, world=4)])
+@pytest.mark.parametrize("kwargs", [dict(), dict(tp=1, pp=2), dict(tp=2, pp=2, world=8), dict(tp=1, pp=4, world=4),
+                                    dict(lora=LoraConfig(target_modules=["q_proj", "lm_head"]))])
 def test_a_supported_setup_passes(kwargs):
     check(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=1, world=1), dict(tp=1, ep=2), dict(tp=1, ep=2, world=4),
+                                    dict(tp=1, ep=8, world=8)])
+def test_a_deepseek_v3_model_trains_with_expert_and_data_parallelism(kwargs):
+    check(hf=_deepseek(), lora=LoraConfig(target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "lm_head"]), **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -39,7 +46,8 @@ def test_a_supported_setup_passes(kwargs):
     (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4"),
     (dict(hf=SimpleNamespace(**{**vars(LLAMA), "model_type": "qwen3_moe"})), "Llama-family"),
     (dict(tp=8, world=8), "must divide"),
-    (dict(lora=LoraConfig(target_modules=["lm_head"])), "lm_head"),
+    (dict(hf=SimpleNamespace(**{**vars(LLAMA), "tie_word_embeddings": True}),
+          lora=LoraConfig(target_modules=["lm_head"])), r"LoRA on \['lm_head'\].*with tied embeddings"),
 ])
 def test_unbuilt_settings_fail_with_what_is_missing(kwargs, message):
     with pytest.raises(UserError, match=message) as error:
@@ -78,14 +86,14 @@ def _deepseek(**changes):
 
 
 @pytest.mark.parametrize("changes, kwargs, message", [
-    (dict(), dict(tp=1, ep=2), "GRPO steps are not yet verified against the FSDP2"),
+    (dict(), dict(tp=1, pp=2, ep=2, world=4), "pipeline_parallel 2 on a MoE model"),
     (dict(), dict(tp=2), "trainer.tensor_parallel 2 on a MoE model .*sequence parallelism"),
     (dict(), dict(tp=1, ep=3, world=3), "expert_parallel 3 must divide the 8 routed experts"),
     (dict(rope_interleave=False), dict(tp=1), "rope_interleave: false"),
     (dict(q_lora_rank=None), dict(tp=1), "q_lora_rank: null"),
     (dict(scoring_func="softmax"), dict(tp=1), "scoring_func softmax"),
     (dict(n_group=4, topk_group=2), dict(tp=1), "num_experts_per_tok // topk_group = 1"),
-    (dict(), dict(tp=1, lora=LoraConfig(target_modules=["q_a_proj", "lm_head"])), r"LoRA on \['lm_head'\]"),
+    (dict(), dict(tp=1, lora=LoraConfig(target_modules=["q_a_proj", "q_proj"])), r"LoRA on \['q_proj'\]"),
 ])
 def test_a_deepseek_v3_model_is_refused_with_what_is_missing(changes, kwargs, message):
     with pytest.raises(UserError, match=message):

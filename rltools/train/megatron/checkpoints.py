@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from .. import checkpoints
-from .lora import split_dim
-from .model import MegatronPolicy, adapter_names, projection_of
+from .model import MegatronPolicy
 from .parallel import gather, tp_rank_size
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -46,14 +45,10 @@ def _full_view(policy: MegatronPolicy, optimizer):
     """A plain module of full adapter tensors under peft's names, an AdamW over it holding the full
     moments, and (local parameter, full parameter, split dim) triples (collective over TP)."""
     view, pairs = nn.Module(), []
-    for layer, _, module in policy.lora_layers():
-        for key in module.lora_A:
-            names = adapter_names(layer, projection_of(key))
-            for matrix, name, param in (("A", names[0], module.lora_A[key]), ("B", names[1], module.lora_B[key])):
-                dim = split_dim(module.style, matrix)
-                full = nn.Parameter(gather(param, dim).clone())
-                _set(view, name.replace(".weight", ".default.weight"), full)
-                pairs.append((param, full, dim))
+    for name, param, dim in policy.adapter_params():
+        full = nn.Parameter(gather(param, dim).clone())
+        _set(view, name.replace(".weight", ".default.weight"), full)
+        pairs.append((param, full, dim))
     view_optimizer = torch.optim.AdamW(view.parameters(), **{k: v for k, v in optimizer.defaults.items()
                                                             if k in ("lr", "weight_decay", "betas", "eps")})
     for param, full, dim in pairs:

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # Megatron module (in a transformer layer) -> (parallel style, the HF projections it fuses); a layer has
-# some of them (Llama: qkv; DeepSeek-V3: MLA's, and a dense MLP or shared experts)
+# some of them (Llama: qkv; DeepSeek-V3: MLA's, and a dense MLP or shared experts); the output layer
+# (`lm_head`, column-parallel over the vocabulary) is `model.OUTPUT`
 LINEARS = {
     "self_attention.linear_qkv": ("column", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     "self_attention.linear_q_down_proj": ("column", ("self_attn.q_a_proj",)),
@@ -61,8 +62,11 @@ class LoraParallelLinear(nn.Module):
         out, bias = self.base(x, *args, **kwargs)
         if not self.enabled or not len(self.lora_A):
             return out, bias
-        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
 
         if self.style == "row":
             (key,) = self.lora_A.keys()
@@ -77,7 +81,11 @@ class LoraParallelLinear(nn.Module):
             else:
                 deltas.append(out.new_zeros(*out.shape[:-1], rows))
         grouped = [d.reshape(*d.shape[:-1], self.groups, -1) for d in deltas]  # q/k/v interleave per group
-        return out + self.scale * torch.cat(grouped, dim=-1).reshape(out.shape), bias
+        delta = torch.cat(grouped, dim=-1).reshape(*out.shape[:-1], -1)
+        gathered = kwargs.get("runtime_gather_output")
+        if getattr(self.base, "gather_output", False) if gathered is None else gathered:  # the output layer's
+            delta = gather_from_tensor_model_parallel_region(delta)  # full vocabulary, as the base output
+        return out + self.scale * delta, bias
 
 
 def split_dim(style: str, matrix: str) -> int | None:

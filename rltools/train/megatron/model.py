@@ -20,6 +20,7 @@ Invariants:
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -46,7 +47,9 @@ from .parallel import (
 
 PEFT_PREFIX = "base_model.model."
 EXPERTS = "mlp.experts.local_experts."
-PROJECTIONS = {p.replace(".", "_"): p for _, ps in LINEARS.values() for p in ps}  # ParameterDict key -> HF path
+OUTPUT = ("column", ("lm_head",))  # the output layer's LoRA: one column-parallel projection
+PROJECTIONS = {p.replace(".", "_"): p for _, ps in [*LINEARS.values(), OUTPUT] for p in ps}  # ParameterDict key -> HF path
+_LAYER = re.compile(r"^model\.layers\.\d+\.")
 
 
 def _linears(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -110,17 +113,30 @@ class MegatronPolicy(nn.Module):
         masked = causal[None, None] | ~key_mask.bool()[:, None, None, :]  # True = not attended
         return self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=masked)
 
-    def lora_layers(self) -> Iterator[tuple[int, str, LoraParallelLinear]]:
-        """(global layer index, module path, module) of this stage's LoRA-wrapped layers."""
+    def lora_modules(self) -> Iterator[tuple[str, str, LoraParallelLinear]]:
+        """(global Megatron module name, HF module prefix, module) of this stage's LoRA-wrapped
+        linears; the output layer's prefix is empty (PEFT's `lm_head`)."""
         for i, layer in enumerate(self.gpt.decoder.layers):
+            index = self.first_layer + i
             for path, module in _linears(layer):
                 if isinstance(module, LoraParallelLinear):
-                    yield self.first_layer + i, path, module
+                    yield f"decoder.layers.{index}.{path}", f"model.layers.{index}.", module
+        if isinstance(getattr(self.gpt, "output_layer", None), LoraParallelLinear):
+            yield "output_layer", "", self.gpt.output_layer
+
+    def adapter_params(self) -> Iterator[tuple[str, nn.Parameter, int | None]]:
+        """(PEFT name, local parameter, the dimension TP splits it along) of each LoRA matrix of this
+        stage: the FSDP2 backend's names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`)."""
+        for _, prefix, module in self.lora_modules():
+            for key in module.lora_A:
+                for matrix, params in (("A", module.lora_A), ("B", module.lora_B)):
+                    name = f"{PEFT_PREFIX}{prefix}{PROJECTIONS[key]}.lora_{matrix}.weight"
+                    yield name, params[key], split_dim(module.style, matrix)
 
     @contextlib.contextmanager
     def disable_adapter(self):
         """The frozen base model (for the KL reference), as peft's `disable_adapter`."""
-        layers = [m for _, _, m in self.lora_layers()]
+        layers = [m for _, _, m in self.lora_modules()]
         for m in layers:
             m.enabled = False
         try:
@@ -156,10 +172,7 @@ def check_supported(config, hf_config, world_size: int) -> None:
     if rope.get("rope_type", "default") != "default":
         missing.append(f"RoPE scaling {rope.get('rope_type')}")
     if model_type == "deepseek_v3":
-        missing += _deepseek_unsupported(hf_config, tensor_parallel, expert_parallel)
-        missing.append("training a DeepSeek-V3 (MLA + MoE) model yet: its Megatron model loads, converts and "
-                       "exports exactly, at any expert parallelism, but its GRPO steps are not yet verified "
-                       "against the FSDP2 backend's")
+        missing += _deepseek_unsupported(hf_config, tensor_parallel, pipeline_parallel, expert_parallel)
     elif hf_config.num_key_value_heads % tensor_parallel:
         missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads")
     elif expert_parallel != 1:
@@ -170,7 +183,7 @@ def check_supported(config, hf_config, world_size: int) -> None:
     unknown = set(lora_cfg.target_modules) - adaptable
     if unknown:
         missing.append(f"LoRA on {sorted(unknown)} (this backend adapts {sorted(adaptable)}; "
-                       "on a MoE model the routed experts are not adapted)")
+                       "on a MoE model the routed experts are not adapted, with tied embeddings lm_head is not)")
     if missing:
         raise UserError("trainer.backend: megatron does not support " + "; ".join(missing) +
                         " — use trainer.backend: fsdp2")
@@ -182,10 +195,11 @@ def _adaptable(shape: convert.Shape) -> set[str]:
     kinds += ["self_attention.linear_q_", "self_attention.linear_kv_"] if shape.mla else ["self_attention.linear_qkv"]
     kinds += ["mlp.linear_fc"] if shape.dense_layers != 0 else []
     kinds += ["mlp.shared_experts."] if shape.shared_experts else []
-    return {p.rsplit(".", 1)[1] for path, (_, ps) in LINEARS.items() if path.startswith(tuple(kinds)) for p in ps}
+    names = {p.rsplit(".", 1)[1] for path, (_, ps) in LINEARS.items() if path.startswith(tuple(kinds)) for p in ps}
+    return names | ({"lm_head"} if not shape.tied else set())  # a tied lm_head is the (frozen) embedding
 
 
-def _deepseek_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> list[str]:
+def _deepseek_unsupported(hf, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int) -> list[str]:
     """What of a DeepSeek-V3-architecture config megatron's MLA and MoE layers would compute otherwise
     than transformers does."""
     missing = []
@@ -196,6 +210,9 @@ def _deepseek_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> lis
     if tensor_parallel > 1:  # megatron's MoE layer refuses TP without sequence parallelism
         missing.append(f"trainer.tensor_parallel {tensor_parallel} on a MoE model (it needs sequence parallelism, "
                        "which this backend does not build: use trainer.expert_parallel and data parallelism)")
+    if pipeline_parallel > 1:
+        missing.append(f"trainer.pipeline_parallel {pipeline_parallel} on a MoE model (not yet checked against "
+                       "the FSDP2 backend: use trainer.expert_parallel and data parallelism)")
     if hf.scoring_func != "sigmoid" or hf.topk_method != "noaux_tc" or not hf.norm_topk_prob:
         missing.append(f"router scoring_func {hf.scoring_func} / topk_method {hf.topk_method} / norm_topk_prob "
                        f"{hf.norm_topk_prob} (sigmoid, noaux_tc, normalised top-k only)")
@@ -241,19 +258,24 @@ def _add_lora(policy: MegatronPolicy, lora_cfg: LoraConfig, tp_size: int) -> Non
     shape = policy.shape
     groups = shape.kv_heads // tp_size
     targets = set(lora_cfg.target_modules)
+
+    def wrap(parent: nn.Module, leaf: str, style: str, projections: tuple[str, ...], rows: list[int]) -> None:
+        base = getattr(parent, leaf)
+        targeted = {p for p in projections if p.rsplit(".", 1)[-1] in targets}
+        if targeted:
+            parts = {p: (r, base.weight.shape[1]) for p, r in zip(projections, rows)}
+            setattr(parent, leaf, LoraParallelLinear(base, style, parts, targeted, lora_cfg.rank, policy.lora_scale,
+                                                     groups if leaf == "linear_qkv" else 1))
+
     for layer in policy.gpt.decoder.layers:
         for path, base in list(_linears(layer)):
             style, projections = LINEARS[path]
-            weight = base.weight
-            rows = _column_rows(path, shape, weight.shape[0]) if style == "column" else [weight.shape[0]]
-            parts = {p: (r, weight.shape[1]) for p, r in zip(projections, rows)}
-            targeted = {p for p in projections if p.rsplit(".", 1)[1] in targets}
-            if not targeted:
-                continue
-            wrapped = LoraParallelLinear(base, style, parts, targeted, lora_cfg.rank, policy.lora_scale,
-                                         groups if path.endswith("linear_qkv") else 1)
+            local_rows = base.weight.shape[0]
+            rows = _column_rows(path, shape, local_rows) if style == "column" else [local_rows]
             parent, leaf = path.rsplit(".", 1)
-            setattr(layer.get_submodule(parent), leaf, wrapped)
+            wrap(layer.get_submodule(parent), leaf, style, projections, rows)
+    if getattr(policy.gpt, "output_layer", None) is not None and not shape.tied:  # the last stage
+        wrap(policy.gpt, "output_layer", *OUTPUT, [policy.gpt.output_layer.weight.shape[0]])
     for module in policy.modules():
         if isinstance(module, LoraParallelLinear):
             for matrix, params in (("A", module.lora_A), ("B", module.lora_B)):
@@ -298,42 +320,23 @@ class _SafetensorsReader:
         self.handles = self.where = None
 
 
-def adapter_names(layer: int, projection: str) -> tuple[str, str]:
-    stem = f"{PEFT_PREFIX}model.layers.{layer}.{projection}"
-    return f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"
-
-
 def export_adapter(policy: MegatronPolicy) -> TensorStream:
     """(PEFT name, full tensor) of every LoRA weight, as the FSDP2 backend's `export_adapter`, on
     rank 0 (collective; see `export_weights`)."""
 
     def stage_adapters(meta: bool):
-        for layer, _, module in policy.lora_layers():
-            for key in module.lora_A:
-                for name, param, matrix in zip(adapter_names(layer, projection_of(key)),
-                                               (module.lora_A[key], module.lora_B[key]), "AB"):
-                    dim = split_dim(module.style, matrix)
-                    yield name, _full_on_meta(param, dim) if meta else gather(param, dim)
+        for name, param, dim in policy.adapter_params():
+            yield name, _full_on_meta(param, dim) if meta else gather(param, dim)
 
     return _stream(policy, stage_adapters)
-
-
-def projection_of(key: str) -> str:
-    """ParameterDict key ('self_attn_q_proj') -> HF projection path ('self_attn.q_proj')."""
-    return PROJECTIONS[key]
 
 
 def load_adapter(policy: MegatronPolicy, tensors: dict[str, torch.Tensor]) -> None:
     """Set the adapters from full PEFT-named tensors (each TP rank keeps its shard)."""
     rank, size = tp_rank_size()
     with torch.no_grad():
-        for layer, _, module in policy.lora_layers():
-            for key in module.lora_A:
-                name_a, name_b = adapter_names(layer, projection_of(key))
-                for matrix, name, target in (("A", name_a, module.lora_A[key]), ("B", name_b, module.lora_B[key])):
-                    dim = split_dim(module.style, matrix)
-                    full = tensors[name]
-                    target.copy_(full if dim is None else full.chunk(size, dim=dim)[rank])
+        for name, param, dim in policy.adapter_params():
+            param.copy_(tensors[name] if dim is None else tensors[name].chunk(size, dim=dim)[rank])
 
 
 def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
@@ -348,7 +351,7 @@ def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
     others their stage's, to discard. Replicated tensors may be views of live parameters: copy what
     is kept past the next optimizer step."""
     shape, scale = policy.shape, policy.lora_scale if lora_scale is None else lora_scale
-    adapters = {f"decoder.layers.{i}.{path}": m for i, path, m in policy.lora_layers()}
+    adapters = {name: m for name, _, m in policy.lora_modules()}
     names = convert.name_map(shape)  # without the output layer of a tied model: HF loads none
 
     def full_weights(meta: bool):
@@ -397,7 +400,7 @@ def _full_on_meta(param: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 def _merged(module: LoraParallelLinear, hf_name: str, tensor: torch.Tensor, scale: float) -> torch.Tensor:
     """`tensor` (the full HF weight `hf_name` of a LoRA-wrapped layer) plus its adapter's delta."""
-    key = hf_name.split(".", 3)[3].removesuffix(".weight").replace(".", "_")  # model.layers.0.self_attn.q_proj.weight
+    key = _LAYER.sub("", hf_name).removesuffix(".weight").replace(".", "_")  # model.layers.0.self_attn.q_proj.weight
     if key not in module.lora_A:
         return tensor
     a = gather(module.lora_A[key], split_dim(module.style, "A")).float()
