@@ -28,8 +28,8 @@ TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", 
 LORA = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
 STEPS = 2  # GRPO steps compared with FSDP2
 LR = 1e-2  # as _train_one_step's
-# layout -> (trainer ranks, PP, EP)
-LAYOUTS = {"ep1": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4)}
+# layout -> (trainer ranks, PP, EP); DP is what is left. PP layouts run on a 4-layer variant (`moe4`).
+LAYOUTS = {"ep1": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4), "pp2": (2, 2, 1), "pp2ep2": (4, 2, 2)}
 
 
 def _ids() -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +39,7 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _worker(rank: int, world: int, port: int, run_dir: str, pp: int, ep: int, mode: str) -> None:
+def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, pp: int, ep: int, mode: str) -> None:
     """mode "forward": logits (base and adapted), merged export and expert bytes per rank of the
     perturbed adapters; "train": STEPS GRPO steps from the initial ones."""
     import torch.distributed as dist
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, pp: int, ep: int, mo
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     with megatron_on_cpu():
         init_parallel(1, pp, seed=0, expert_parallel=ep)
-        policy = load_megatron_policy(ModelConfig(path=str(MOE), dtype="float32"), LORA)
+        policy = load_megatron_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
         if mode == "forward":
             base_logits = _logits(policy, _ids())
             load_adapter(policy, torch.load(f"{run_dir}/adapter.pt"))
@@ -78,6 +78,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, pp: int, ep: int, mo
             result = {"metrics": [trainer.step(synthetic_batch(seed=step)) for step in range(STEPS)],
                       "adapter": {name: tensor.clone() for name, tensor in m_adapter(policy)}}
         result["weights"] = {name: tensor.clone() for name, tensor in m_weights(policy)}
+        result["layers"] = len(policy.gpt.decoder.layers)  # on rank 0: the first stage's
     if rank == 0:
         torch.save(result, f"{run_dir}/{mode}.pt")
     dist.destroy_process_group()
@@ -89,7 +90,6 @@ def reference():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = load_policy(ModelConfig(path=str(MOE), dtype="float32"), LORA)
-    initial = {name: tensor.clone() for name, tensor in export_adapter(model)}  # as the FSDP2 run starts (seed 0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -99,24 +99,46 @@ def reference():
         logits = model(input_ids=ids, attention_mask=mask).logits
         with model.disable_adapter():
             base = model(input_ids=ids, attention_mask=mask).logits
-    return {"initial_adapter": initial, "adapter": dict(export_adapter(model)), "logits": logits, "base_logits": base,
+    return {"adapter": dict(export_adapter(model)), "logits": logits, "base_logits": base,
             "weights": {name: tensor.clone() for name, tensor in export_weights(model, LORA.alpha / LORA.rank)}}
 
 
+def _initial_adapter(model_path) -> dict:
+    """The adapters peft initialises under seed 0, as the FSDP2 run starts (B = 0)."""
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(path=str(model_path), dtype="float32"), LORA)
+    return {name: tensor.clone() for name, tensor in export_adapter(model)}  # exports may be views
+
+
 @pytest.fixture(scope="module")
-def runs(reference, tmp_path_factory):
+def moe4(tmp_path_factory) -> Path:
+    """tiny-moe-arith's architecture with 4 layers (1 dense, 3 MoE; random weights), which split
+    into 2 pipeline stages; the shipped model's 3 do not."""
+    from transformers import AutoConfig, DeepseekV3ForCausalLM
+
+    config = AutoConfig.from_pretrained(MOE)
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("moe4")
+    DeepseekV3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(reference, moe4, tmp_path_factory):
     done = {}
 
     def run(layout: str, mode: str = "forward") -> dict:
         if (layout, mode) not in done:
+            world, pp, ep = LAYOUTS[layout]
+            model_path = moe4 if pp > 1 else MOE
             run_dir = tmp_path_factory.mktemp(f"{layout}_{mode}")
             torch.save(reference["adapter"], run_dir / "adapter.pt")
-            torch.save(reference["initial_adapter"], run_dir / "initial_adapter.pt")
-            world, pp, ep = LAYOUTS[layout]
+            torch.save(_initial_adapter(model_path), run_dir / "initial_adapter.pt")
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            spawn(_worker, args=(world, port, str(run_dir), pp, ep, mode), nprocs=world)
+            spawn(_worker, args=(world, port, str(model_path), str(run_dir), pp, ep, mode), nprocs=world)
             done[layout, mode] = torch.load(run_dir / f"{mode}.pt", weights_only=False)
         return done[layout, mode]
 
@@ -144,7 +166,7 @@ def test_conversion_round_trip_is_exact():
     assert all(torch.equal(back[n], hf[n]) for n in hf)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep4"])
 def test_logits_equal_transformers_and_peft(layout, runs, reference):
     run = runs(layout)
     real = _ids()[1].bool()  # padding positions produce junk logits
@@ -153,7 +175,7 @@ def test_logits_equal_transformers_and_peft(layout, runs, reference):
     assert (run["logits"] - run["base_logits"]).abs().max() > 1e-2  # the adapters count
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep4"])
 def test_the_merged_export_is_the_fsdp2_backends(layout, runs, reference):
     """Every HF tensor, routed experts of every EP rank included, with the LoRA deltas merged as peft
     merges them: the generators cannot tell the backends apart."""
@@ -173,25 +195,35 @@ def test_each_rank_holds_only_its_experts(layout, runs):
 
 
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory):
-    """STEPS GRPO steps of the FSDP2 backend on one rank, AdamW conditioned as the Megatron runs."""
-    out = tmp_path_factory.mktemp("fsdp2") / "fsdp.pt"
-    _train_one_step(0, 1, str(MOE), 0, str(out), lora=LORA)
-    return torch.load(out)
+def fsdp2(moe4, tmp_path_factory):
+    """model path -> STEPS GRPO steps of the FSDP2 backend on one rank, AdamW conditioned as the
+    Megatron runs."""
+    done = {}
+
+    def run(model_path) -> dict:
+        if model_path not in done:
+            out = tmp_path_factory.mktemp("fsdp2") / "fsdp.pt"
+            _train_one_step(0, 1, str(model_path), 0, str(out), lora=LORA)
+            done[model_path] = torch.load(out)
+        return done[model_path]
+
+    return lambda layout: run(moe4 if LAYOUTS[layout][1] > 1 else MOE)
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2"])
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "pp2", "pp2ep2"])
 def test_grpo_steps_match_fsdp2_on_the_same_data(layout, runs, fsdp2):
     """Same adapters at start, same rollouts: loss, grad norm and the trained adapters and merged
-    weights follow the FSDP2 backend's, at EP 2 too (each rank trains on half the samples; their
-    tokens reach the experts of both ranks by the token dispatcher, and come back)."""
-    run = runs(layout, "train")
-    assert len(run["metrics"]) == len(fsdp2["metrics"]) == STEPS
-    for ours, theirs in zip(run["metrics"], fsdp2["metrics"]):
+    weights follow the FSDP2 backend's, at EP 2 (each rank trains on half the samples; their tokens
+    reach the experts of both ranks by the token dispatcher, and come back), with 2 pipeline stages
+    (1F1B; the dense layer and a MoE layer on the first, two MoE layers on the second), and both."""
+    run, fsdp = runs(layout, "train"), fsdp2(layout)
+    assert run["layers"] == {1: 3, 2: 2}[LAYOUTS[layout][1]]
+    assert len(run["metrics"]) == len(fsdp["metrics"]) == STEPS
+    for ours, theirs in zip(run["metrics"], fsdp["metrics"]):
         assert ours.keys() == theirs.keys()
         assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
         assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-4)
-    assert run["metrics"][0]["grad_norm"] > 0 and fsdp2["lr"] == LR
-    assert_runs_agree(run, fsdp2, lr=LR, grad_norms=[m["grad_norm"] for m in fsdp2["metrics"]],
+    assert run["metrics"][0]["grad_norm"] > 0 and fsdp["lr"] == LR
+    assert_runs_agree(run, fsdp, lr=LR, grad_norms=[m["grad_norm"] for m in fsdp["metrics"]],
                       lora_scale=LORA.alpha / LORA.rank, lora_rank=LORA.rank)

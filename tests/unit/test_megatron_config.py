@@ -31,9 +31,10 @@ def test_a_supported_setup_passes(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [dict(tp=1, world=1), dict(tp=1, ep=2), dict(tp=1, ep=2, world=4),
-                                    dict(tp=1, ep=8, world=8)])
-def test_a_deepseek_v3_model_trains_with_expert_and_data_parallelism(kwargs):
-    check(hf=_deepseek(), lora=LoraConfig(target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "lm_head"]), **kwargs)
+                                    dict(tp=1, ep=8, world=8), dict(tp=1, pp=2, ep=2, world=4, layers=4)])
+def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kwargs):
+    hf = _deepseek(num_hidden_layers=kwargs.pop("layers", 3))
+    check(hf=hf, lora=LoraConfig(target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "lm_head"]), **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -86,7 +87,7 @@ def _deepseek(**changes):
 
 
 @pytest.mark.parametrize("changes, kwargs, message", [
-    (dict(), dict(tp=1, pp=2, ep=2, world=4), "pipeline_parallel 2 on a MoE model"),
+    (dict(), dict(tp=1, pp=2, world=2), "layer count"),
     (dict(), dict(tp=2), "trainer.tensor_parallel 2 on a MoE model .*sequence parallelism"),
     (dict(), dict(tp=1, ep=3, world=3), "expert_parallel 3 must divide the 8 routed experts"),
     (dict(rope_interleave=False), dict(tp=1), "rope_interleave: false"),

@@ -172,7 +172,7 @@ def check_supported(config, hf_config, world_size: int) -> None:
     if rope.get("rope_type", "default") != "default":
         missing.append(f"RoPE scaling {rope.get('rope_type')}")
     if model_type == "deepseek_v3":
-        missing += _deepseek_unsupported(hf_config, tensor_parallel, pipeline_parallel, expert_parallel)
+        missing += _deepseek_unsupported(hf_config, tensor_parallel, expert_parallel)
     elif hf_config.num_key_value_heads % tensor_parallel:
         missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads")
     elif expert_parallel != 1:
@@ -199,7 +199,7 @@ def _adaptable(shape: convert.Shape) -> set[str]:
     return names | ({"lm_head"} if not shape.tied else set())  # a tied lm_head is the (frozen) embedding
 
 
-def _deepseek_unsupported(hf, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int) -> list[str]:
+def _deepseek_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> list[str]:
     """What of a DeepSeek-V3-architecture config megatron's MLA and MoE layers would compute otherwise
     than transformers does."""
     missing = []
@@ -210,9 +210,6 @@ def _deepseek_unsupported(hf, tensor_parallel: int, pipeline_parallel: int, expe
     if tensor_parallel > 1:  # megatron's MoE layer refuses TP without sequence parallelism
         missing.append(f"trainer.tensor_parallel {tensor_parallel} on a MoE model (it needs sequence parallelism, "
                        "which this backend does not build: use trainer.expert_parallel and data parallelism)")
-    if pipeline_parallel > 1:
-        missing.append(f"trainer.pipeline_parallel {pipeline_parallel} on a MoE model (not yet checked against "
-                       "the FSDP2 backend: use trainer.expert_parallel and data parallelism)")
     if hf.scoring_func != "sigmoid" or hf.topk_method != "noaux_tc" or not hf.norm_topk_prob:
         missing.append(f"router scoring_func {hf.scoring_func} / topk_method {hf.topk_method} / norm_topk_prob "
                        f"{hf.norm_topk_prob} (sigmoid, noaux_tc, normalised top-k only)")
