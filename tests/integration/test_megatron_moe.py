@@ -28,8 +28,10 @@ TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", 
 LORA = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
 STEPS = 2  # GRPO steps compared with FSDP2
 LR = 1e-2  # as _train_one_step's
-# layout -> (trainer ranks, PP, EP); DP is what is left. PP layouts run on a 4-layer variant (`moe4`).
-LAYOUTS = {"ep1": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4), "pp2": (2, 2, 1), "pp2ep2": (4, 2, 2)}
+# layout -> (trainer ranks, TP, PP, EP); DP is what is left. PP layouts run on a 4-layer variant (`moe4`).
+LAYOUTS = {"ep1": (1, 1, 1, 1), "ep2": (2, 1, 1, 2), "ep4": (4, 1, 1, 4), "tp2": (2, 2, 1, 1), "tp2ep2": (4, 2, 1, 2),
+           "pp2": (2, 1, 2, 1), "pp2ep2": (4, 1, 2, 2)}
+SHIPPED = ["ep1", "ep2", "ep4", "tp2", "tp2ep2"]  # the layouts of the shipped model
 
 
 def _ids() -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +41,8 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, pp: int, ep: int, mode: str) -> None:
+def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp: int, pp: int, ep: int,
+            mode: str) -> None:
     """mode "forward": logits (base and adapted), merged export and expert bytes per rank of the
     perturbed adapters; "train": STEPS GRPO steps from the initial ones."""
     import torch.distributed as dist
@@ -58,7 +61,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, pp:
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     with megatron_on_cpu():
-        init_parallel(1, pp, seed=0, expert_parallel=ep)
+        init_parallel(tp, pp, seed=0, expert_parallel=ep)
         policy = load_megatron_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
         if mode == "forward":
             base_logits = _logits(policy, _ids())
@@ -130,7 +133,7 @@ def runs(reference, moe4, tmp_path_factory):
 
     def run(layout: str, mode: str = "forward") -> dict:
         if (layout, mode) not in done:
-            world, pp, ep = LAYOUTS[layout]
+            world, tp, pp, ep = LAYOUTS[layout]
             model_path = moe4 if pp > 1 else MOE
             run_dir = tmp_path_factory.mktemp(f"{layout}_{mode}")
             torch.save(reference["adapter"], run_dir / "adapter.pt")
@@ -138,7 +141,7 @@ def runs(reference, moe4, tmp_path_factory):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            spawn(_worker, args=(world, port, str(model_path), str(run_dir), pp, ep, mode), nprocs=world)
+            spawn(_worker, args=(world, port, str(model_path), str(run_dir), tp, pp, ep, mode), nprocs=world)
             done[layout, mode] = torch.load(run_dir / f"{mode}.pt", weights_only=False)
         return done[layout, mode]
 
@@ -166,7 +169,7 @@ def test_conversion_round_trip_is_exact():
     assert all(torch.equal(back[n], hf[n]) for n in hf)
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep4"])
+@pytest.mark.parametrize("layout", SHIPPED)
 def test_logits_equal_transformers_and_peft(layout, runs, reference):
     run = runs(layout)
     real = _ids()[1].bool()  # padding positions produce junk logits
@@ -175,7 +178,7 @@ def test_logits_equal_transformers_and_peft(layout, runs, reference):
     assert (run["logits"] - run["base_logits"]).abs().max() > 1e-2  # the adapters count
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep4"])
+@pytest.mark.parametrize("layout", SHIPPED)
 def test_the_merged_export_is_the_fsdp2_backends(layout, runs, reference):
     """Every HF tensor, routed experts of every EP rank included, with the LoRA deltas merged as peft
     merges them: the generators cannot tell the backends apart."""
@@ -189,7 +192,7 @@ def test_the_merged_export_is_the_fsdp2_backends(layout, runs, reference):
 @pytest.mark.parametrize("layout", ["ep2", "ep4"])
 def test_each_rank_holds_only_its_experts(layout, runs):
     """Bytes of routed-expert weights per rank: 1/EP of the whole (which one rank holds at EP 1)."""
-    world, _, ep = LAYOUTS[layout]
+    world, _, _, ep = LAYOUTS[layout]
     whole = runs("ep1")["expert_bytes"][0]
     assert runs(layout)["expert_bytes"] == [whole // ep] * world and whole % ep == 0
 
@@ -207,17 +210,17 @@ def fsdp2(moe4, tmp_path_factory):
             done[model_path] = torch.load(out)
         return done[model_path]
 
-    return lambda layout: run(moe4 if LAYOUTS[layout][1] > 1 else MOE)
+    return lambda layout: run(moe4 if LAYOUTS[layout][2] > 1 else MOE)
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "pp2", "pp2ep2"])
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2", "tp2ep2", "pp2", "pp2ep2"])
 def test_grpo_steps_match_fsdp2_on_the_same_data(layout, runs, fsdp2):
     """Same adapters at start, same rollouts: loss, grad norm and the trained adapters and merged
     weights follow the FSDP2 backend's, at EP 2 (each rank trains on half the samples; their tokens
     reach the experts of both ranks by the token dispatcher, and come back), with 2 pipeline stages
     (1F1B; the dense layer and a MoE layer on the first, two MoE layers on the second), and both."""
     run, fsdp = runs(layout, "train"), fsdp2(layout)
-    assert run["layers"] == {1: 3, 2: 2}[LAYOUTS[layout][1]]
+    assert run["layers"] == {1: 3, 2: 2}[LAYOUTS[layout][2]]
     assert len(run["metrics"]) == len(fsdp["metrics"]) == STEPS
     for ours, theirs in zip(run["metrics"], fsdp["metrics"]):
         assert ours.keys() == theirs.keys()

@@ -31,7 +31,8 @@ def test_a_supported_setup_passes(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [dict(tp=1, world=1), dict(tp=1, ep=2), dict(tp=1, ep=2, world=4),
-                                    dict(tp=1, ep=8, world=8), dict(tp=1, pp=2, ep=2, world=4, layers=4)])
+                                    dict(tp=1, ep=8, world=8), dict(tp=1, pp=2, ep=2, world=4, layers=4),
+                                    dict(tp=2, ep=2, world=4), dict(tp=2, pp=2, ep=2, world=8, layers=4)])
 def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kwargs):
     hf = _deepseek(num_hidden_layers=kwargs.pop("layers", 3))
     check(hf=hf, lora=LoraConfig(target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "lm_head"]), **kwargs)
@@ -88,7 +89,8 @@ def _deepseek(**changes):
 
 @pytest.mark.parametrize("changes, kwargs, message", [
     (dict(), dict(tp=1, pp=2, world=2), "layer count"),
-    (dict(), dict(tp=2), "trainer.tensor_parallel 2 on a MoE model .*sequence parallelism"),
+    (dict(), dict(tp=3, world=3), r"tensor_parallel 3 must divide the attention heads \(4\)"),
+    (dict(kv_lora_rank=31), dict(tp=2), r"must divide the kv_lora_rank \+ qk_rope_head_dim \(95\)"),
     (dict(), dict(tp=1, ep=3, world=3), "expert_parallel 3 must divide the 8 routed experts"),
     (dict(rope_interleave=False), dict(tp=1), "rope_interleave: false"),
     (dict(q_lora_rank=None), dict(tp=1), "q_lora_rank: null"),

@@ -32,6 +32,9 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         perform_initialization=False,  # every weight is overwritten from the checkpoint
         variable_seq_lengths=True,  # micro batches are as long as their own samples: stages swap shapes
         moe_token_dispatcher_type="alltoall",  # dense models use none; megatron refuses its default here
+        # megatron's MoE layer takes TP only with sequence parallelism: between the TP regions each
+        # rank holds 1/TP of the sequence (so it must divide the sequence: MegatronPolicy pads it)
+        sequence_parallel=tensor_parallel > 1 and shape.experts > 0,
         **(_RECOMPUTE if recompute else {}),
     )
     rope = getattr(hf, "rope_parameters", None) or {}
@@ -52,10 +55,13 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # the router is frozen
             moe_layer_freq=[int(shape.is_moe(i)) for i in range(hf.num_hidden_layers)],
         )
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        spec = _with_frozen_norms(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                             normalization="RMSNorm"))
         core_attention = _mla_core_attention()
         for layer_spec in spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+            attention = layer_spec.submodules.self_attention.submodules
+            attention.core_attention = core_attention
+            attention.linear_q_down_proj = attention.linear_kv_down_proj = _replicated_linear()
     else:
         config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -86,6 +92,52 @@ def _without_transformer_engine() -> None:
         multi_latent_attention.HAVE_TE = False
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
+
+
+def _replicated_linear():
+    """The MLA down projections whole on every TP rank (megatron's TE spec does the same), not split
+    over TP as in its local spec: there, the RoPE key part of the KV down projection's output is
+    used by every head after an all-gather whose backward only splits, so each rank keeps the
+    gradient of its own heads and the input gradient is wrong under TP (measured: the LoRA
+    gradients of every layer below 3% off). Whole, the key part is gathered over the sequence-
+    parallel region, whose backward sums it over the TP ranks."""
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.Linear = Linear  # None without TE: MLA accepts only the classes it names
+    return Linear
+
+
+def _with_frozen_norms(spec):
+    """`spec` with megatron's torch norm wrapper replaced by one that also builds under sequence
+    parallelism, which the wrapper refuses because a norm's weight gradient is then partial on each
+    TP rank and nothing all-reduces it. This backend never trains the norms (only LoRA adapters),
+    so no such gradient exists."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def walk(node):
+        if node is WrappedTorchNorm:
+            return _FrozenRMSNorm
+        if isinstance(node, ModuleSpec):
+            node.submodules = walk(node.submodules)
+        elif isinstance(node, list):
+            return [walk(n) for n in node]
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for field in dataclasses.fields(node):
+                setattr(node, field.name, walk(getattr(node, field.name)))
+        return node
+
+    return walk(spec)
+
+
+class _FrozenRMSNorm:
+    """Builds what megatron's torch norm wrapper builds for RMSNorm (a module spec is a class)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_) -> nn.Module:
+        return nn.RMSNorm(hidden_size, eps=eps)
 
 
 def _mla_core_attention():

@@ -110,7 +110,7 @@ def split_dim(name: str) -> int | None:
     if ".mlp.experts." in name:  # routed experts: expert tensor parallelism is 1
         return None
     if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight",
-                      "_down_proj.weight", "_up_proj.weight")):
+                      "_up_proj.weight")):  # MLA's up projections (its down projections are whole: build.py)
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1

@@ -12,6 +12,15 @@ Sharding follows the base layer, so no adapter is ever gathered in the forward p
 - row-parallel (proj, fc2; input split over TP): A [r, in/TP] split, B [out, r] replicated.
   A's partial products are summed by `reduce_from_tensor_model_parallel_region` before B.
 Replicated adapters therefore get identical gradients on every TP rank and stay identical.
+
+- replicated (MLA's down projections, whole on every rank): A and B replicated, no TP region.
+
+Under sequence parallelism (TP on a MoE model) each rank holds 1/TP of the sequence between the TP
+regions: a column-parallel layer's A reads the gathered sequence (whose gradient is then split, not
+summed: it is complete on every rank after the all-reduce above), and a row-parallel layer's delta,
+computed on the whole sequence from the all-reduced A products, keeps this rank's part (whose
+backward gathers the gradient: B's is complete on every rank); a replicated layer's adapters read
+the gathered sequence and keep their part of the delta, so their gradients are complete too.
 """
 
 import math
@@ -25,9 +34,9 @@ from torch import nn
 # (`lm_head`, column-parallel over the vocabulary) is `model.OUTPUT`
 LINEARS = {
     "self_attention.linear_qkv": ("column", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    "self_attention.linear_q_down_proj": ("column", ("self_attn.q_a_proj",)),
+    "self_attention.linear_q_down_proj": ("replicated", ("self_attn.q_a_proj",)),
     "self_attention.linear_q_up_proj": ("column", ("self_attn.q_b_proj",)),
-    "self_attention.linear_kv_down_proj": ("column", ("self_attn.kv_a_proj_with_mqa",)),
+    "self_attention.linear_kv_down_proj": ("replicated", ("self_attn.kv_a_proj_with_mqa",)),
     "self_attention.linear_kv_up_proj": ("column", ("self_attn.kv_b_proj",)),
     "self_attention.linear_proj": ("row", ("self_attn.o_proj",)),
     "mlp.linear_fc1": ("column", ("mlp.gate_proj", "mlp.up_proj")),
@@ -62,21 +71,31 @@ class LoraParallelLinear(nn.Module):
         out, bias = self.base(x, *args, **kwargs)
         if not self.enabled or not len(self.lora_A):
             return out, bias
-        from megatron.core.tensor_parallel import (
-            copy_to_tensor_model_parallel_region,
-            gather_from_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
+        from megatron.core import tensor_parallel as tp
 
+        sequence_parallel = self.base.config.sequence_parallel
+        if self.style == "replicated":  # whole on every rank: no TP region (see the module docstring)
+            (key,) = self.lora_A.keys()
+            if sequence_parallel:
+                x = tp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+            delta = F.linear(F.linear(x, self.lora_A[key]), self.lora_B[key])
+            if sequence_parallel:
+                delta = tp.scatter_to_sequence_parallel_region(delta)
+            return out + self.scale * delta, bias
         if self.style == "row":
             (key,) = self.lora_A.keys()
-            hidden = reduce_from_tensor_model_parallel_region(F.linear(x, self.lora_A[key]))
-            return out + self.scale * F.linear(hidden, self.lora_B[key]), bias
+            hidden = tp.reduce_from_tensor_model_parallel_region(F.linear(x, self.lora_A[key]))
+            delta = F.linear(hidden, self.lora_B[key])
+            if sequence_parallel:  # the base output is reduce-scattered: keep this rank's part of the sequence
+                delta = tp.scatter_to_sequence_parallel_region(delta)
+            return out + self.scale * delta, bias
+        if sequence_parallel:  # the base gathers the sequence first; A's gradient is complete on every rank
+            x = tp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
         deltas = []
         for projection, rows in self.rows.items():
             key = projection.replace(".", "_")
             if key in self.lora_A:
-                hidden = copy_to_tensor_model_parallel_region(F.linear(x, self.lora_A[key]))
+                hidden = tp.copy_to_tensor_model_parallel_region(F.linear(x, self.lora_A[key]))
                 deltas.append(F.linear(hidden, self.lora_B[key]))
             else:
                 deltas.append(out.new_zeros(*out.shape[:-1], rows))
@@ -84,7 +103,7 @@ class LoraParallelLinear(nn.Module):
         delta = torch.cat(grouped, dim=-1).reshape(*out.shape[:-1], -1)
         gathered = kwargs.get("runtime_gather_output")
         if getattr(self.base, "gather_output", False) if gathered is None else gathered:  # the output layer's
-            delta = gather_from_tensor_model_parallel_region(delta)  # full vocabulary, as the base output
+            delta = tp.gather_from_tensor_model_parallel_region(delta)  # full vocabulary, as the base output
         return out + self.scale * delta, bias
 
 
@@ -92,4 +111,6 @@ def split_dim(style: str, matrix: str) -> int | None:
     """The dimension TP splits an adapter matrix along (None: replicated on every TP rank)."""
     if style == "column":
         return 0 if matrix == "B" else None
-    return 1 if matrix == "A" else None
+    if style == "row":
+        return 1 if matrix == "A" else None
+    return None

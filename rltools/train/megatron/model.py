@@ -107,11 +107,16 @@ class MegatronPolicy(nn.Module):
         `key_mask` [B, S] is 1 for real tokens. Padding positions produce junk logits. A stage
         before the last returns its hidden states [S, B, hidden] instead; a stage after the first
         reads its input from `set_input_tensor`, not from `input_ids`."""
+        width = input_ids.shape[1]
+        if self.config.sequence_parallel:  # right padding to a multiple of TP, masked, cut off the logits
+            extra = -width % self.config.tensor_model_parallel_size
+            input_ids, key_mask = (nn.functional.pad(t, (0, extra)) for t in (input_ids, key_mask))
         positions = (key_mask.cumsum(1) - 1).clamp(min=0)
         length = input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
         masked = causal[None, None] | ~key_mask.bool()[:, None, None, :]  # True = not attended
-        return self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=masked)
+        out = self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=masked)
+        return out[:, :width] if self.gpt.post_process else out
 
     def lora_modules(self) -> Iterator[tuple[str, str, LoraParallelLinear]]:
         """(global Megatron module name, HF module prefix, module) of this stage's LoRA-wrapped
@@ -207,9 +212,13 @@ def _deepseek_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> lis
         missing.append("MLA without a query LoRA rank (q_lora_rank: null)")
     if not getattr(hf, "rope_interleave", True):
         missing.append("MLA with rope_interleave: false (megatron's MLA reads the RoPE channels interleaved)")
-    if tensor_parallel > 1:  # megatron's MoE layer refuses TP without sequence parallelism
-        missing.append(f"trainer.tensor_parallel {tensor_parallel} on a MoE model (it needs sequence parallelism, "
-                       "which this backend does not build: use trainer.expert_parallel and data parallelism)")
+    split = {"attention heads": hf.num_attention_heads, "q_lora_rank": hf.q_lora_rank or 0,
+             "kv_lora_rank + qk_rope_head_dim": hf.kv_lora_rank + hf.qk_rope_head_dim,
+             "intermediate_size": hf.intermediate_size,
+             "the shared experts' width": hf.n_shared_experts * hf.moe_intermediate_size}
+    for what, size in split.items():  # the TP-split output rows of the MLA and MLP projections
+        if size % tensor_parallel:
+            missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the {what} ({size})")
     if hf.scoring_func != "sigmoid" or hf.topk_method != "noaux_tc" or not hf.norm_topk_prob:
         missing.append(f"router scoring_func {hf.scoring_func} / topk_method {hf.topk_method} / norm_topk_prob "
                        f"{hf.norm_topk_prob} (sigmoid, noaux_tc, normalised top-k only)")
