@@ -101,12 +101,15 @@ def estimate(config: RLConfig, model_config: dict) -> list[Estimate]:
 def trainer_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: int, new: int) -> Estimate:
     t, s, lora = config.trainer, config.schedule, config.lora
     ranks, dtype = config.cluster.trainers.ntasks, DTYPE_BYTES[config.model.dtype]
-    if t.backend == "megatron":
+    megatron = t.backend == "megatron"
+    if megatron:  # routed experts are whole on their EP rank (expert TP 1), never split over TP
         split = t.tensor_parallel * t.pipeline_parallel
         layers = weights.total - weights.outside_layers - weights.experts
-        base = layers / split + weights.experts / (split * t.expert_parallel) + weights.outside_layers / t.tensor_parallel
+        base = (layers / split + weights.experts / (t.pipeline_parallel * t.expert_parallel)
+                + weights.outside_layers / t.tensor_parallel)
         gathered, dp, act_split = 0.0, ranks // split, t.tensor_parallel
-        how = f"split TP {t.tensor_parallel} x PP {t.pipeline_parallel}"
+        how = f"split TP {t.tensor_parallel} x PP {t.pipeline_parallel}" + (
+            f", routed experts over EP {t.expert_parallel}" if weights.experts else "")
     else:  # FSDP2: the root (embeddings, head) stays gathered in forward and backward, and a layer is
         # prefetched while the previous one computes: two layers unsharded at a time
         split = dp = ranks
@@ -119,8 +122,12 @@ def trainer_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: i
         state = ("grads+AdamW", weights.params * 3 * dtype / split)
     per_rank = s.prompts_per_step * s.group_size // max(dp, 1)
     micro = max(1, min(t.micro_batch_size, math.ceil(per_rank / config.algorithm.mini_batches)))
-    acts = activation_bytes(shape, micro, prompt, new, s.group_size, dtype, t.gradient_checkpointing) / act_split
-    logits = logits_bytes(shape, micro, prompt, new, s.group_size, dtype, config.generator.temperature) / act_split
+    # Megatron runs every sample's whole sequence (no shared prompt pass) and gathers the vocabulary
+    group = 1 if megatron else s.group_size
+    acts = activation_bytes(shape, micro, prompt, new, group, dtype, t.gradient_checkpointing,
+                            cached=not megatron) / act_split
+    logits = logits_bytes(shape, micro, prompt, new, group, dtype, config.generator.temperature, whole=megatron)
+    logits /= 1 if megatron else act_split
     overhead = OVERHEAD if config.cluster.trainers.gpus_per_node else 0.0
     parts = [("base", base), ("gathered", gathered), state, ("activations", acts), ("logits", logits),
              ("overhead", overhead)]
@@ -136,13 +143,14 @@ def trainer_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: i
 
 
 def activation_bytes(shape: Shape, micro: int, prompt: int, new: int, group: int, dtype: int,
-                     checkpointing: bool) -> float:
-    """What the decoder layers keep for backward over one micro batch. The trainer runs each distinct
-    prompt once and the completions on top of its cache, gathered to every sample
-    (train/logprobs.py). With checkpointing a layer keeps only its input and its keys and values,
-    and one layer at a time holds everything during its recompute."""
+                     checkpointing: bool, cached: bool = True) -> float:
+    """What the decoder layers keep for backward over one micro batch. The FSDP2 trainer runs each
+    distinct prompt once and the completions on top of its cache, gathered to every sample
+    (train/logprobs.py: `cached`); Megatron's runs each sample's whole sequence (group 1, no
+    cache). With checkpointing a layer keeps only its input and its keys and values, and one layer
+    at a time holds everything during its recompute."""
     tokens = math.ceil(micro / group) * prompt + micro * new
-    gathered_cache = micro * prompt * shape.kv_elements(vllm=False)
+    gathered_cache = micro * prompt * shape.kv_elements(vllm=False) if cached else 0
     full_layer = tokens * shape.saved_elements() + gathered_cache
     if not checkpointing:
         return shape.layers * full_layer * dtype
@@ -150,13 +158,15 @@ def activation_bytes(shape: Shape, micro: int, prompt: int, new: int, group: int
     return (shape.layers * kept + full_layer) * dtype
 
 
-def logits_bytes(shape: Shape, micro: int, prompt: int, new: int, group: int, dtype: int, temperature: float) -> float:
+def logits_bytes(shape: Shape, micro: int, prompt: int, new: int, group: int, dtype: int, temperature: float,
+                 whole: bool = False) -> float:
     """Logits over the vocabulary: the prompts' (compute dtype), and per completion token the
     head's output and its concatenated copy (compute dtype), the float32 upcast and log_softmax's
-    float32 output kept for backward (a third float32 copy when the temperature divides them)."""
+    float32 output kept for backward (a third float32 copy when the temperature divides them).
+    `whole` (Megatron): one head output over every position, whose completion part is a view."""
     fp32_copies = 2 + (temperature not in (0.0, 1.0))
     prompts = math.ceil(micro / group) * prompt * shape.vocab * dtype
-    return prompts + micro * new * shape.vocab * (2 * dtype + 4 * fp32_copies)
+    return prompts + micro * new * shape.vocab * ((1 if whole else 2) * dtype + 4 * fp32_copies)
 
 
 def generator_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: int, new: int) -> Estimate:

@@ -30,8 +30,9 @@ STEPS = 2  # GRPO steps compared with FSDP2
 LR = 1e-2  # as _train_one_step's
 # layout -> (trainer ranks, TP, PP, EP); DP is what is left. PP layouts run on a 4-layer variant (`moe4`).
 LAYOUTS = {"ep1": (1, 1, 1, 1), "ep2": (2, 1, 1, 2), "ep4": (4, 1, 1, 4), "tp2": (2, 2, 1, 1), "tp2ep2": (4, 2, 1, 2),
-           "pp2": (2, 1, 2, 1), "pp2ep2": (4, 1, 2, 2)}
-SHIPPED = ["ep1", "ep2", "ep4", "tp2", "tp2ep2"]  # the layouts of the shipped model
+           "tp2ep4": (4, 2, 1, 4), "pp2": (2, 1, 2, 1), "pp2ep2": (4, 1, 2, 2)}
+# the layouts of the shipped model; at TP 2 x EP 4 an EP group spans TP ranks (EP 4 > DP 2)
+SHIPPED = ["ep1", "ep2", "ep4", "tp2", "tp2ep2", "tp2ep4"]
 
 
 def _ids() -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +190,7 @@ def test_the_merged_export_is_the_fsdp2_backends(layout, runs, reference):
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep4"])
+@pytest.mark.parametrize("layout", ["ep2", "ep4", "tp2ep4"])
 def test_each_rank_holds_only_its_experts(layout, runs):
     """Bytes of routed-expert weights per rank: 1/EP of the whole (which one rank holds at EP 1)."""
     world, _, _, ep = LAYOUTS[layout]
@@ -213,7 +214,7 @@ def fsdp2(moe4, tmp_path_factory):
     return lambda layout: run(moe4 if LAYOUTS[layout][2] > 1 else MOE)
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2", "tp2ep2", "pp2", "pp2ep2"])
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2", "tp2ep2", "tp2ep4", "pp2", "pp2ep2"])
 def test_grpo_steps_match_fsdp2_on_the_same_data(layout, runs, fsdp2):
     """Same adapters at start, same rollouts: loss, grad norm and the trained adapters and merged
     weights follow the FSDP2 backend's, at EP 2 (each rank trains on half the samples; their tokens

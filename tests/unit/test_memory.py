@@ -168,3 +168,24 @@ def test_dry_run_of_aime_on_an_nvfp4_deepseek_v3_judges_both_roles(repo, tmp_pat
     assert main(["submit", str(repo / "configs" / "aime.yaml"), "--dry-run", "--set", "cluster.gpu_memory_gib=186"]) == 0
     err = capsys.readouterr().err
     assert "of 186.0 GiB:" in err and "of 158.1 GiB:" in err  # the generator may use 85% of it
+
+
+def test_megatron_keeps_1_over_pp_x_ep_of_the_routed_experts_and_every_sample_s_whole_sequence(repo, tmp_path):
+    """DeepSeek-V3 in bf16 on 16 Megatron ranks (aime.yaml's trainer count): the routed experts are
+    whole on their EP rank (never split over TP), and Megatron runs [prompt; completion] for every
+    sample (FSDP2 runs a group's prompt once and copies its KV cache to each sample)."""
+    job = (*GPU_JOB, "cluster.trainers.nodes=2", "trainer.backend=megatron", "trainer.tensor_parallel=2")
+    weights = weights_from_config(Shape.from_config(DEEPSEEK_V3), DEEPSEEK_V3, 2, quantize=False)
+    bases = {}
+    for ep in (1, 8):
+        config = config_with(repo, tmp_path, DEEPSEEK_V3, *job, f"trainer.expert_parallel={ep}")
+        trainer = estimate(config, DEEPSEEK_V3)[0]
+        bases[ep] = dict(trainer.parts)["base"]
+        assert f"routed experts over EP {ep}" in trainer.detail
+    assert bases[1] - bases[8] == pytest.approx(weights.experts * (1 - 1 / 8))
+    rest = weights.total - weights.experts - weights.outside_layers
+    assert bases[8] == pytest.approx(rest / 2 + weights.experts / 8 + weights.outside_layers / 2)
+    megatron = dict(estimate(config, DEEPSEEK_V3)[0].parts)
+    shape = Shape.from_config(DEEPSEEK_V3)  # micro batch 2 x (32 prompt + 2048 new) tokens, split over TP 2
+    assert megatron["activations"] == activation_bytes(shape, 2, 32, 2048, 1, 2, True, cached=False) / 2
+    assert megatron["activations"] != activation_bytes(shape, 2, 32, 2048, 8, 2, True) / 2
