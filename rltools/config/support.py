@@ -17,8 +17,6 @@ def megatron_unsupported(config: RLConfig) -> list[str]:
         missing.append("full fine-tuning (set lora.enabled: true: this backend trains LoRA adapters)")
     if lora.dropout:
         missing.append("lora.dropout > 0")
-    if config.model.quantization != "none":
-        missing.append(f"model.quantization: {config.model.quantization}")
     if config.algorithm.mini_batches > 1 and config.algorithm.tis_cap is not None:
         missing.append("algorithm.mini_batches > 1 with algorithm.tis_cap (the proximal logprobs pass)")
     if config.algorithm.routing_replay:

@@ -10,7 +10,7 @@ warning, since an estimate is not a measurement.
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config.schema import RLConfig
@@ -95,7 +95,14 @@ def estimate(config: RLConfig, model_config: dict) -> list[Estimate]:
     if shape.max_positions:  # vLLM cuts max_tokens so that prompt + completion fit max_model_len
         prompt = min(prompt, shape.max_positions - 1)
         new = min(new, shape.max_positions - prompt)
-    return [trainer_estimate(config, shape, weights, prompt, new), generator_estimate(config, shape, weights, prompt, new)]
+    trainer_weights = weights
+    if quantize and config.trainer.backend == "megatron":  # it dequantises all but the routed experts at load
+        plain = {k: v for k, v in model_config.items() if k != "quantization_config"}
+        dense = weights_from_config(shape, plain, dtype, quantize=False)
+        trainer_weights = replace(weights, total=dense.total - dense.experts + weights.experts,
+                                  source=f"{weights.source}; outside the routed experts dequantised")
+    return [trainer_estimate(config, shape, trainer_weights, prompt, new),
+            generator_estimate(config, shape, weights, prompt, new)]
 
 
 def trainer_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: int, new: int) -> Estimate:

@@ -62,27 +62,64 @@ class Source:
         return {n: self.shape(n) for n in self.names()}
 
 
+class _Quantizer:
+    """Turns one source tensor into its NVFP4 checkpoint tensors under a plan: the global scale of
+    each group (shared by the shards vLLM fuses) comes from one amax pass over the group's weights."""
+
+    def __init__(self, source: Source, plan_: QuantPlan):
+        self.fp8, self.group_of = set(plan_.fp8), plan_.group_of()
+        amax = [0.0] * len(plan_.groups)
+        for module, group in self.group_of.items():
+            amax[group] = max(amax[group], float(source.get(f"{module}.weight").float().abs().max()))
+        self.scales = [global_scale_for(a) for a in amax]
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        module = name[: -len(".weight")]
+        if name.endswith(".weight") and module in self.group_of:
+            return list(zip((f"{module}.{s}" for s in QUANT_SUFFIXES), quantize(tensor, self.scales[self.group_of[module]])))
+        if name.endswith(".weight") and module in self.fp8:
+            return list(zip((name, f"{module}.weight_scale"), quantize_fp8(tensor)))
+        return [(name, tensor)]
+
+
 def nvfp4_tensors(source: Source, plan_: QuantPlan, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the NVFP4 checkpoint of `source`: quantised triples (FP8 pairs for the plan's
     FP8 linears), other tensors as stored."""
-    fp8 = set(plan_.fp8)
-    group_of = plan_.group_of()
-    amax = [0.0] * len(plan_.groups)
-    for module, group in group_of.items():
-        amax[group] = max(amax[group], float(source.get(f"{module}.weight").float().abs().max()))
-    scales = [global_scale_for(a) for a in amax]
+    quantizer = _Quantizer(source, plan_)
     for name in source.names():
-        module = name[: -len(".weight")]
         tensor = source.get(name)
         if progress is not None:
             progress.update(tensor.numel() * tensor.element_size())
-        if name.endswith(".weight") and module in group_of:
-            q = quantize(tensor, scales[group_of[module]])
-            yield from zip((f"{module}.{s}" for s in QUANT_SUFFIXES), q)
-        elif name.endswith(".weight") and module in fp8:
-            yield from zip((name, f"{module}.weight_scale"), quantize_fp8(tensor))
-        else:
-            yield name, tensor
+        yield from quantizer(name, tensor)
+
+
+class QuantizedModules:
+    """The NVFP4 tensors of `model_dir` one module at a time (what `load_nvfp4_state` yields, without
+    reading the others): as stored if it is an NVFP4 checkpoint, else quantised now with the default
+    plan (a first pass reads the quantised weights once, for their groups' global scales)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.source = Source(model_dir)
+        self.names = set(self.source.names())
+        self.quantizer = None if is_nvfp4_config(self.source.config) else _Quantizer(self.source, plan(self.source.shapes()))
+
+    def tensors(self, module: str) -> dict[str, torch.Tensor]:
+        """leaf -> tensor of `module`'s weight: {"weight"} (kept), the NVFP4 triple, or the FP8 pair."""
+        if self.quantizer is not None:
+            return {n.rsplit(".", 1)[1]: t for n, t in self.quantizer(f"{module}.weight", self.source.get(f"{module}.weight"))}
+        leaves = [leaf for leaf in ("weight", *QUANT_SUFFIXES) if f"{module}.{leaf}" in self.names]
+        if not leaves:
+            raise ValueError(f"{self.source.dir}: no tensor {module}.weight (or its NVFP4 triple) in the checkpoint")
+        return {leaf: self.source.get(f"{module}.{leaf}") for leaf in leaves}
+
+    def dense(self, name: str, dtype=torch.float32) -> torch.Tensor:
+        """The HF tensor `name` as a dense model has it: a quantised weight dequantised (the values the
+        NVFP4 layers compute with), anything else as stored."""
+        if not name.endswith(".weight"):
+            return self.source.get(name)
+        ((_, tensor),) = dequantized_state(((f"{name[: -len('.weight')]}.{leaf}", t)
+                                            for leaf, t in self.tensors(name[: -len(".weight")]).items()), dtype)
+        return tensor
 
 
 def load_nvfp4_state(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

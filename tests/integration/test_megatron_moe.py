@@ -43,7 +43,7 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp: int, pp: int, ep: int,
-            mode: str) -> None:
+            mode: str, quantization: str = "none") -> None:
     """mode "forward": logits (base and adapted), merged export and expert bytes per rank of the
     perturbed adapters; "train": STEPS GRPO steps from the initial ones."""
     import torch.distributed as dist
@@ -63,16 +63,11 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     with megatron_on_cpu():
         init_parallel(tp, pp, seed=0, expert_parallel=ep)
-        policy = load_megatron_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
+        policy = load_megatron_policy(ModelConfig(path=model_path, dtype="float32", quantization=quantization), LORA)
         if mode == "forward":
             base_logits = _logits(policy, _ids())
             load_adapter(policy, torch.load(f"{run_dir}/adapter.pt"))
             result = {"base_logits": base_logits, "logits": _logits(policy, _ids())}
-            expert_bytes = sum(p.numel() * p.element_size() for n, p in policy.gpt.named_parameters()
-                               if ".mlp.experts." in n)
-            every = [None] * world
-            dist.all_gather_object(every, expert_bytes)
-            result["expert_bytes"] = every
         else:
             load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
             trainer = condition(MegatronTrainer(policy, AlgorithmConfig(learning_rate=LR), micro_batch_size=2,
@@ -82,6 +77,10 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp:
             result = {"metrics": [trainer.step(synthetic_batch(seed=step)) for step in range(STEPS)],
                       "adapter": {name: tensor.clone() for name, tensor in m_adapter(policy)}}
         result["weights"] = {name: tensor.clone() for name, tensor in m_weights(policy)}
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in policy.gpt.named_parameters()
+                           if ".mlp.experts." in n)
+        result["expert_bytes"] = [None] * world
+        dist.all_gather_object(result["expert_bytes"], expert_bytes)
         result["layers"] = len(policy.gpt.decoder.layers)  # on rank 0: the first stage's
     if rank == 0:
         torch.save(result, f"{run_dir}/{mode}.pt")
@@ -107,10 +106,10 @@ def reference():
             "weights": {name: tensor.clone() for name, tensor in export_weights(model, LORA.alpha / LORA.rank)}}
 
 
-def _initial_adapter(model_path) -> dict:
+def _initial_adapter(model_path, quantization: str = "none") -> dict:
     """The adapters peft initialises under seed 0, as the FSDP2 run starts (B = 0)."""
     torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=str(model_path), dtype="float32"), LORA)
+    model = load_policy(ModelConfig(path=str(model_path), dtype="float32", quantization=quantization), LORA)
     return {name: tensor.clone() for name, tensor in export_adapter(model)}  # exports may be views
 
 
@@ -129,22 +128,43 @@ def moe4(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(reference, moe4, tmp_path_factory):
+def checkpoints(moe4, tmp_path_factory):
+    """name -> (checkpoint directory, model.quantization): the shipped model, its 4-layer variant, its
+    NVFP4 checkpoints as `rltools quantize` writes them (every linear NVFP4; routed experts NVFP4
+    and the other linears FP8), and the shipped one quantised while it loads."""
+    from rltools.quant.nvfp4_checkpoint import quantize_checkpoint
+
+    made = {"shipped": (MOE, "none"), "moe4": (moe4, "none"), "on the fly": (MOE, "nvfp4")}
+
+    def get(name: str) -> tuple[Path, str]:
+        if name not in made:
+            out = tmp_path_factory.mktemp("quantized") / name
+            quantize_checkpoint(MOE, out, progress=False, fp8_outside_experts=name == "nvfp4-experts-fp8")
+            made[name] = out, "nvfp4"
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def runs(reference, checkpoints, tmp_path_factory):
     done = {}
 
-    def run(layout: str, mode: str = "forward") -> dict:
-        if (layout, mode) not in done:
-            world, tp, pp, ep = LAYOUTS[layout]
-            model_path = moe4 if pp > 1 else MOE
+    def run(layout: str, mode: str = "forward", checkpoint: str | None = None) -> dict:
+        world, tp, pp, ep = LAYOUTS[layout]
+        checkpoint = checkpoint or ("moe4" if pp > 1 else "shipped")
+        if (layout, mode, checkpoint) not in done:
+            model_path, quantization = checkpoints(checkpoint)
             run_dir = tmp_path_factory.mktemp(f"{layout}_{mode}")
             torch.save(reference["adapter"], run_dir / "adapter.pt")
-            torch.save(_initial_adapter(model_path), run_dir / "initial_adapter.pt")
+            torch.save(_initial_adapter(model_path, quantization), run_dir / "initial_adapter.pt")
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            spawn(_worker, args=(world, port, str(model_path), str(run_dir), tp, pp, ep, mode), nprocs=world)
-            done[layout, mode] = torch.load(run_dir / f"{mode}.pt", weights_only=False)
-        return done[layout, mode]
+            spawn(_worker, args=(world, port, str(model_path), str(run_dir), tp, pp, ep, mode, quantization),
+                  nprocs=world)
+            done[layout, mode, checkpoint] = torch.load(run_dir / f"{mode}.pt", weights_only=False)
+        return done[layout, mode, checkpoint]
 
     return run
 
@@ -199,29 +219,23 @@ def test_each_rank_holds_only_its_experts(layout, runs):
 
 
 @pytest.fixture(scope="module")
-def fsdp2(moe4, tmp_path_factory):
-    """model path -> STEPS GRPO steps of the FSDP2 backend on one rank, AdamW conditioned as the
-    Megatron runs."""
+def fsdp2(checkpoints, tmp_path_factory):
+    """checkpoint name -> STEPS GRPO steps of the FSDP2 backend on one rank, AdamW conditioned as
+    the Megatron runs."""
     done = {}
 
-    def run(model_path) -> dict:
-        if model_path not in done:
+    def run(checkpoint: str) -> dict:
+        if checkpoint not in done:
+            model_path, quantization = checkpoints(checkpoint)
             out = tmp_path_factory.mktemp("fsdp2") / "fsdp.pt"
-            _train_one_step(0, 1, str(model_path), 0, str(out), lora=LORA)
-            done[model_path] = torch.load(out)
-        return done[model_path]
+            _train_one_step(0, 1, str(model_path), 0, str(out), quantization, lora=LORA)
+            done[checkpoint] = torch.load(out)
+        return done[checkpoint]
 
-    return lambda layout: run(moe4 if LAYOUTS[layout][2] > 1 else MOE)
+    return run
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2", "tp2ep2", "tp2ep4", "pp2", "pp2ep2"])
-def test_grpo_steps_match_fsdp2_on_the_same_data(layout, runs, fsdp2):
-    """Same adapters at start, same rollouts: loss, grad norm and the trained adapters and merged
-    weights follow the FSDP2 backend's, at EP 2 (each rank trains on half the samples; their tokens
-    reach the experts of both ranks by the token dispatcher, and come back), with 2 pipeline stages
-    (1F1B; the dense layer and a MoE layer on the first, two MoE layers on the second), and both."""
-    run, fsdp = runs(layout, "train"), fsdp2(layout)
-    assert run["layers"] == {1: 3, 2: 2}[LAYOUTS[layout][2]]
+def _assert_trains_like(run: dict, fsdp: dict) -> None:
     assert len(run["metrics"]) == len(fsdp["metrics"]) == STEPS
     for ours, theirs in zip(run["metrics"], fsdp["metrics"]):
         assert ours.keys() == theirs.keys()
@@ -231,3 +245,29 @@ def test_grpo_steps_match_fsdp2_on_the_same_data(layout, runs, fsdp2):
     assert run["metrics"][0]["grad_norm"] > 0 and fsdp["lr"] == LR
     assert_runs_agree(run, fsdp, lr=LR, grad_norms=[m["grad_norm"] for m in fsdp["metrics"]],
                       lora_scale=LORA.alpha / LORA.rank, lora_rank=LORA.rank)
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2", "tp2ep2", "tp2ep4", "pp2", "pp2ep2"])
+def test_grpo_steps_match_fsdp2_on_the_same_data(layout, runs, fsdp2):
+    """Same adapters at start, same rollouts: loss, grad norm and the trained adapters and merged
+    weights follow the FSDP2 backend's, at EP 2 (each rank trains on half the samples; their tokens
+    reach the experts of both ranks by the token dispatcher, and come back), with 2 pipeline stages
+    (1F1B; the dense layer and a MoE layer on the first, two MoE layers on the second), and both."""
+    run = runs(layout, "train")
+    assert run["layers"] == {1: 3, 2: 2}[LAYOUTS[layout][2]]
+    _assert_trains_like(run, fsdp2("moe4" if LAYOUTS[layout][2] > 1 else "shipped"))
+
+
+@pytest.mark.parametrize("layout, checkpoint", [("ep2", "nvfp4-experts-fp8"), ("tp2ep2", "nvfp4-experts-fp8"),
+                                                ("ep2", "nvfp4"), ("ep2", "on the fly")])
+def test_grpo_steps_over_packed_nvfp4_experts_match_fsdp2(layout, checkpoint, runs, fsdp2):
+    """`model.quantization: nvfp4`: each EP rank keeps its routed experts packed (their NVFP4 triples,
+    dequantised one projection at a time in forward and backward) and the other linears
+    dequantised (FP8 or NVFP4 in the checkpoint); the steps follow FSDP2's over its NVFP4 layers,
+    on either checkpoint `rltools quantize` writes and on the plain one quantised while it loads."""
+    run = runs(layout, "train", checkpoint)
+    _assert_trains_like(run, fsdp2(checkpoint))
+    world, _, _, ep = LAYOUTS[layout]
+    dense = runs("ep1")["expert_bytes"][0]  # float32
+    assert run["expert_bytes"] == [run["expert_bytes"][0]] * world
+    assert run["expert_bytes"][0] * ep == pytest.approx(dense * 9 / 64, rel=0.01)  # 4.5 of 32 bits

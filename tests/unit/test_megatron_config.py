@@ -45,7 +45,7 @@ def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kw
     (dict(world=3), "must divide them"),
     (dict(lora=LoraConfig(enabled=False)), "full fine-tuning"),
     (dict(lora=LoraConfig(dropout=0.1)), "lora.dropout"),
-    (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4"),
+    (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4 on a dense model"),
     (dict(hf=SimpleNamespace(**{**vars(LLAMA), "model_type": "qwen3_moe"})), "Llama-family"),
     (dict(tp=8, world=8), "must divide"),
     (dict(hf=SimpleNamespace(**{**vars(LLAMA), "tie_word_embeddings": True}),

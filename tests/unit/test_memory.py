@@ -189,3 +189,16 @@ def test_megatron_keeps_1_over_pp_x_ep_of_the_routed_experts_and_every_sample_s_
     shape = Shape.from_config(DEEPSEEK_V3)  # micro batch 2 x (32 prompt + 2048 new) tokens, split over TP 2
     assert megatron["activations"] == activation_bytes(shape, 2, 32, 2048, 1, 2, True, cached=False) / 2
     assert megatron["activations"] != activation_bytes(shape, 2, 32, 2048, 8, 2, True) / 2
+
+
+def test_megatron_on_an_nvfp4_base_keeps_the_experts_packed_and_the_rest_dequantised(repo, tmp_path):
+    nvfp4 = {**DEEPSEEK_V3, "quantization_config": NVFP4_MIXED}
+    shape = Shape.from_config(DEEPSEEK_V3)
+    packed = weights_from_config(shape, nvfp4, 2, quantize=True)
+    dense = weights_from_config(shape, DEEPSEEK_V3, 2, quantize=False)
+    config = config_with(repo, tmp_path, nvfp4, *GPU_JOB, "trainer.backend=megatron", "trainer.expert_parallel=8",
+                         "model.quantization=nvfp4")
+    trainer = estimate(config, nvfp4)[0]
+    rest = dense.total - dense.experts - dense.outside_layers  # TP 1 x PP 1: all of it on each rank
+    assert dict(trainer.parts)["base"] == pytest.approx(rest + packed.experts / 8 + dense.outside_layers)
+    assert "outside the routed experts dequantised" in trainer.detail

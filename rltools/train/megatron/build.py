@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from . import convert
+from .packed import pack_expert_specs
 
 
 # Every layer keeps only its input for backward and runs its forward again there (megatron's
@@ -14,7 +15,8 @@ _RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", reco
 
 
 def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: int, *, pre_process: bool,
-              post_process: bool, recompute: bool = False) -> nn.Module:
+              post_process: bool, recompute: bool = False, packed_experts: bool = False) -> nn.Module:
+    """`packed_experts`: the routed experts' linears hold NVFP4 triples (`packed.py`)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
@@ -57,6 +59,8 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         )
         spec = _with_frozen_norms(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                                              normalization="RMSNorm"))
+        if packed_experts:
+            pack_expert_specs(spec)
         core_attention = _mla_core_attention()
         for layer_spec in spec.layer_specs:
             attention = layer_spec.submodules.self_attention.submodules

@@ -29,11 +29,13 @@ from torch import nn
 
 from ...config.schema import LoraConfig, ModelConfig
 from ...errors import UserError
+from ...quant.nvfp4_checkpoint import QuantizedModules
 from ...fused_layers import module_of
 from ...weight_sync import TensorStream
 from . import convert
 from .build import build_gpt
 from .lora import LINEARS, LoraParallelLinear, split_dim
+from .packed import _PackedExpertLinear
 from .parallel import (
     ep_rank_size,
     every_stage,
@@ -96,11 +98,19 @@ class MegatronPolicy(nn.Module):
             rest = f"{EXPERTS}{int(expert) + first}.{rest}"
         return f"decoder.layers.{int(local) + self.first_layer}.{rest}"
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(local name, tensor) of every weight loaded from the checkpoint: the parameters and the
-        routers' score correction biases (buffers megatron would update, but never does here)."""
-        yield from self.gpt.named_parameters()
+    def weights(self, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(local name, tensor) of every weight of the checkpoint as a dense model holds it: the
+        parameters, the routers' score correction biases (buffers megatron would update, but never
+        does here) and each packed expert linear's dequantised weight (with `meta`, a meta tensor of
+        its shape: nothing is dequantised)."""
+        packed = dict(self.packed_linears())
+        yield from ((n, p) for n, p in self.gpt.named_parameters() if n.rsplit(".", 1)[0] not in packed)
+        yield from ((f"{n}.weight", m.dense(self.config.params_dtype, meta)) for n, m in packed.items())
         yield from ((n, b) for n, b in self.gpt.named_buffers() if n.endswith(".router.expert_bias"))
+
+    def packed_linears(self) -> Iterator[tuple[str, "_PackedExpertLinear"]]:
+        """(local name, module) of the routed experts' packed linears (`model.quantization: nvfp4`)."""
+        return ((n, m) for n, m in self.gpt.named_modules() if isinstance(m, _PackedExpertLinear))
 
     def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, S, vocab] (full vocabulary on every TP rank) of left- or right-padded rows;
@@ -182,6 +192,9 @@ def check_supported(config, hf_config, world_size: int) -> None:
         missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads")
     elif expert_parallel != 1:
         missing.append(f"trainer.expert_parallel {expert_parallel} on a dense model (it has no experts)")
+    if config.model.quantization != "none" and model_type != "deepseek_v3":
+        missing.append(f"model.quantization: {config.model.quantization} on a dense model (this backend keeps the "
+                       "routed experts of a MoE model packed; it would dequantise every weight of this one)")
     if hf_config.vocab_size % tensor_parallel:
         missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the vocabulary")
     adaptable = _adaptable(convert.Shape.from_hf(hf_config))
@@ -243,17 +256,26 @@ def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, recompute
     shape = convert.Shape.from_hf(hf_config)
     rank, size = tp_rank_size()
     stage, stages = pp_rank_size()
-    gpt = build_gpt(hf_config, DTYPES[model_cfg.dtype], size, stages,
-                     pre_process=stage == 0, post_process=stage == stages - 1, recompute=recompute)
+    quantized = model_cfg.quantization == "nvfp4"
+    gpt = build_gpt(hf_config, DTYPES[model_cfg.dtype], size, stages, pre_process=stage == 0,
+                    post_process=stage == stages - 1, recompute=recompute, packed_experts=quantized)
     policy = MegatronPolicy(gpt, shape, lora_cfg.alpha / lora_cfg.rank)
     names = convert.name_map(shape)
     if shape.tied and stages > 1:  # untied (see the module docstring): the output layer is the embedding
         names["output_layer.weight"] = names["embedding.word_embeddings.weight"]
+    nvfp4 = QuantizedModules(model_cfg.path) if quantized else None
+    packed = dict(policy.packed_linears())
     with _SafetensorsReader(model_cfg.path) as read, torch.no_grad():
-        for local, param in policy.weights():
+        read = nvfp4.dense if quantized else read  # the other quantised linears: dequantised here
+        for local, param in policy.weights(meta=True):
+            if local.removesuffix(".weight") in packed:
+                continue
             name = policy.global_name(local)
             full = convert.to_megatron(name, [read(n) for n in names[name]], shape)
             param.copy_(convert.shard(name, full, rank, size))
+        for local, module in packed.items():  # their triples, as stored (or quantised now)
+            stored = dict(zip(module.PROJECTIONS, names[policy.global_name(f"{local}.weight")]))
+            module.load(lambda projection: nvfp4.tensors(stored[projection].removesuffix(".weight")))
     for p in gpt.parameters():
         p.requires_grad_(False)
     _add_lora(policy, lora_cfg, size)
@@ -362,7 +384,7 @@ def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
 
     def full_weights(meta: bool):
         """(global Megatron name, full tensor) of every weight to export (routed experts: of every EP rank)."""
-        for local, param in policy.weights():
+        for local, param in policy.weights(meta):
             local = local.replace(".base.weight", ".weight")
             name = policy.global_name(local)
             if name not in names:
