@@ -22,6 +22,9 @@ need a CPU answer:
    whose events are complete (CPU work is in order already), and its `maybe_move_tensor_to_cpu`
    turns the split sizes into numpy arrays as it does for GPU tensors (`all_to_all_single` takes
    lists or arrays of ints, not tensors).
+6. Activation recompute (`tensor_parallel.checkpoint`, trainer.gradient_checkpointing) saves and
+   restores the CUDA RNG state around each recomputed layer: on CPU there is none to save, and the
+   CPU generator (which it saves too) is the one CPU work draws from.
 
 `megatron_on_cpu()` applies them for a block (tests that spawn their own ranks); `SITE_DIR` holds a
 `sitecustomize.py` that applies them in trainer processes the local launcher starts (put it first
@@ -48,23 +51,28 @@ def install() -> tuple:
         random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
     saved = (torch.cuda.current_device, tensor_parallel.model_parallel_cuda_manual_seed, torch.cuda.synchronize,
-             schedules.torch, token_dispatcher.torch, token_dispatcher.maybe_move_tensor_to_cpu)
+             schedules.torch, token_dispatcher.torch, token_dispatcher.maybe_move_tensor_to_cpu,
+             random._get_cuda_rng_state, random._set_cuda_rng_state)
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.model_parallel_cuda_manual_seed = seed_without_cuda
     torch.cuda.synchronize = lambda device=None: None
     schedules.torch = _TorchOnCpu("torch")
     token_dispatcher.torch = _TorchOnCpu("torch")
     token_dispatcher.maybe_move_tensor_to_cpu = _on_host
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     return saved
 
 
 def uninstall(saved: tuple) -> None:
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random
     from megatron.core.transformer.moe import token_dispatcher
 
     (torch.cuda.current_device, tensor_parallel.model_parallel_cuda_manual_seed, torch.cuda.synchronize,
-     schedules.torch, token_dispatcher.torch, token_dispatcher.maybe_move_tensor_to_cpu) = saved
+     schedules.torch, token_dispatcher.torch, token_dispatcher.maybe_move_tensor_to_cpu,
+     random._get_cuda_rng_state, random._set_cuda_rng_state) = saved
 
 
 def _on_host(tensor, as_numpy: bool = False, record_stream: bool = False):

@@ -19,6 +19,4 @@ def megatron_unsupported(config: RLConfig) -> list[str]:
         missing.append("lora.dropout > 0")
     if config.algorithm.mini_batches > 1 and config.algorithm.tis_cap is not None:
         missing.append("algorithm.mini_batches > 1 with algorithm.tis_cap (the proximal logprobs pass)")
-    if config.algorithm.routing_replay:
-        missing.append("algorithm.routing_replay (MoE models train with FSDP2)")
     return missing

@@ -16,10 +16,10 @@ LLAMA = SimpleNamespace(model_type="llama", hidden_act="silu", num_key_value_hea
                         rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 
-def check(lora=LoraConfig(), model=ModelConfig(path="m"), hf=LLAMA, tp=2, pp=1, ep=1, world=2):
+def check(lora=LoraConfig(), model=ModelConfig(path="m"), hf=LLAMA, tp=2, pp=1, ep=1, world=2, algorithm=None):
     from rltools.train.megatron.model import check_supported
 
-    config = RLConfig(run={"name": "t"}, model=model, lora=lora, trainer={
+    config = RLConfig(run={"name": "t"}, model=model, lora=lora, algorithm=algorithm or {}, trainer={
         "backend": "megatron", "tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep})
     check_supported(config, hf, world)
 
@@ -45,6 +45,7 @@ def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kw
     (dict(world=3), "must divide them"),
     (dict(lora=LoraConfig(enabled=False)), "full fine-tuning"),
     (dict(lora=LoraConfig(dropout=0.1)), "lora.dropout"),
+    (dict(algorithm={"routing_replay": True}), "routing_replay on a dense model"),
     (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4 on a dense model"),
     (dict(hf=SimpleNamespace(**{**vars(LLAMA), "model_type": "qwen3_moe"})), "Llama-family"),
     (dict(tp=8, world=8), "must divide"),
@@ -73,8 +74,8 @@ def test_settings_the_backend_lacks_fail_at_submit_time_already(repo):
     from rltools.config import load_config
     from rltools.launch.plan import plan
 
-    config = load_config(repo / "configs" / "demo.yaml", ["trainer.backend=megatron", "algorithm.routing_replay=true"])
-    with pytest.raises(UserError, match="routing_replay.*use trainer.backend: fsdp2"):
+    config = load_config(repo / "configs" / "demo.yaml", ["trainer.backend=megatron", "lora.dropout=0.1"])
+    with pytest.raises(UserError, match="lora.dropout.*use trainer.backend: fsdp2"):
         plan(config)
 
 

@@ -36,6 +36,7 @@ from . import convert
 from .build import build_gpt
 from .lora import LINEARS, LoraParallelLinear, split_dim
 from .packed import _PackedExpertLinear
+from .replay import set_routes
 from .parallel import (
     ep_rank_size,
     every_stage,
@@ -81,6 +82,9 @@ class MegatronPolicy(nn.Module):
         self.first_layer = layers[0].layer_number - 1 if len(layers) else 0  # global index of local layer 0
         self.ep_rank, ep_size = ep_rank_size()
         self.local_experts = shape.experts // ep_size  # routed experts per EP rank
+        stage = range(self.first_layer, self.first_layer + len(layers))  # global MoE index of each local MoE layer
+        self.moe_layers = [sum(map(shape.is_moe, range(i))) for i in stage if shape.is_moe(i)]
+        self.recompute = False  # gradient checkpointing (load_megatron_policy sets it)
 
     def set_input_tensor(self, tensor) -> None:
         """The previous stage's activations (megatron's pipeline schedules call it)."""
@@ -112,21 +116,40 @@ class MegatronPolicy(nn.Module):
         """(local name, module) of the routed experts' packed linears (`model.quantization: nvfp4`)."""
         return ((n, m) for n, m in self.gpt.named_modules() if isinstance(m, _PackedExpertLinear))
 
-    def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] (full vocabulary on every TP rank) of left- or right-padded rows;
         `key_mask` [B, S] is 1 for real tokens. Padding positions produce junk logits. A stage
         before the last returns its hidden states [S, B, hidden] instead; a stage after the first
-        reads its input from `set_input_tensor`, not from `input_ids`."""
+        reads its input from `set_input_tensor`, not from `input_ids`. `routes` [B, S, MoE layers,
+        top-k]: the experts each token's router takes (routing replay; None: its own)."""
         width = input_ids.shape[1]
-        if self.config.sequence_parallel:  # right padding to a multiple of TP, masked, cut off the logits
-            extra = -width % self.config.tensor_model_parallel_size
+        extra = -width % self.config.tensor_model_parallel_size if self.config.sequence_parallel else 0
+        if extra:  # right padding to a multiple of TP, masked, cut off the logits
             input_ids, key_mask = (nn.functional.pad(t, (0, extra)) for t in (input_ids, key_mask))
+        if self.moe_layers:
+            set_routes(self.gpt, None if routes is None else self._as_routed(routes, extra), self.moe_layers,
+                       recompute=self.recompute)
         positions = (key_mask.cumsum(1) - 1).clamp(min=0)
         length = input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
         masked = causal[None, None] | ~key_mask.bool()[:, None, None, :]  # True = not attended
         out = self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=masked)
         return out[:, :width] if self.gpt.post_process else out
+
+    def _as_routed(self, routes: torch.Tensor, extra: int) -> torch.Tensor:
+        """[B, S, MoE layers, k] -> [tokens, MoE layers, k] in the order this rank's routers see the
+        tokens: sequence-major, padded like the sequence (with experts 0..k-1), this rank's part of
+        it under sequence parallelism."""
+        moe = sum(map(self.shape.is_moe, range(self.shape.layers)))
+        if routes.shape[2] != moe:
+            raise ValueError(f"routing replay: the rollouts route {routes.shape[2]} MoE layers, the model has {moe}: "
+                             "generator and trainer serve different models (model.path)")
+        filler = torch.arange(routes.shape[-1], dtype=routes.dtype).expand(routes.shape[0], extra, *routes.shape[2:])
+        routes = torch.cat([routes, filler], dim=1).transpose(0, 1)
+        if self.config.sequence_parallel:
+            rank, size = tp_rank_size()
+            routes = routes.chunk(size, dim=0)[rank]
+        return routes.reshape(-1, *routes.shape[2:])
 
     def lora_modules(self) -> Iterator[tuple[str, str, LoraParallelLinear]]:
         """(global Megatron module name, HF module prefix, module) of this stage's LoRA-wrapped
@@ -192,6 +215,8 @@ def check_supported(config, hf_config, world_size: int) -> None:
         missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads")
     elif expert_parallel != 1:
         missing.append(f"trainer.expert_parallel {expert_parallel} on a dense model (it has no experts)")
+    if config.algorithm.routing_replay and model_type != "deepseek_v3":
+        missing.append("algorithm.routing_replay on a dense model (it has no routers)")
     if config.model.quantization != "none" and model_type != "deepseek_v3":
         missing.append(f"model.quantization: {config.model.quantization} on a dense model (this backend keeps the "
                        "routed experts of a MoE model packed; it would dequantise every weight of this one)")
@@ -260,6 +285,7 @@ def load_megatron_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, recompute
     gpt = build_gpt(hf_config, DTYPES[model_cfg.dtype], size, stages, pre_process=stage == 0,
                     post_process=stage == stages - 1, recompute=recompute, packed_experts=quantized)
     policy = MegatronPolicy(gpt, shape, lora_cfg.alpha / lora_cfg.rank)
+    policy.recompute = recompute
     names = convert.name_map(shape)
     if shape.tied and stages > 1:  # untied (see the module docstring): the output layer is the embedding
         names["output_layer.weight"] = names["embedding.word_embeddings.weight"]

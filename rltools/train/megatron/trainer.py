@@ -6,6 +6,8 @@
   full-sequence forward of [prompt; completion] per sample (Megatron's GPTModel has no Hugging
   Face KV-cache interface to share a prompt's forward pass between its samples); micro batches
   keep their own lengths (`variable_seq_lengths`: stages exchange activation shapes).
+- Routing replay (`algorithm.routing_replay`): each micro batch's routers take the experts its
+  rollouts recorded (`replay.py`), in the training pass and the KL reference pass alike.
 - The KL reference (`algorithm.kl_coef > 0`) is one forward-only pass of the same schedule with
   the adapters off, before the training pass.
 - Gradients: averaged over the data-parallel group first (each DP rank trains on its block of the
@@ -111,8 +113,11 @@ class MegatronTrainer(Trainer):
         return norm
 
 
-def _sequences(packed) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sample's [prompt; completion] ids [B, S] and key mask (prompts are left-padded)."""
+def _sequences(packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each sample's [prompt; completion] ids [B, S], key mask (prompts are left-padded) and, under
+    routing replay, routed experts [B, S, MoE layers, top-k] (`pack` fills the padding's)."""
     ids = torch.cat([packed.prompt_ids[packed.prompt_of], packed.completion_ids], dim=1)
     keys = torch.cat([packed.prompt_mask[packed.prompt_of], torch.ones_like(packed.completion_ids)], dim=1)
-    return ids, keys
+    routes = None if packed.prompt_routes is None else torch.cat(
+        [packed.prompt_routes[packed.prompt_of], packed.completion_routes], dim=1)
+    return ids, keys, routes
