@@ -71,7 +71,7 @@ def save(paths: RunPaths, step: int, model, optimizer, *, rank: int, keep: int) 
         tmp.mkdir(parents=True)
     barrier()
     try:
-        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        model_state, optim_state = _trainable_state(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         with naming(tmp / f"rng_{rank}.pkl"), open(tmp / f"rng_{rank}.pkl", "wb") as f:
             pickle.dump(_rng_state(), f)
@@ -177,10 +177,21 @@ def _os_error(err: BaseException | None, depth: int = 0) -> OSError | None:
     return None
 
 
+def _trainable_state(model, optimizer) -> tuple[dict, dict]:
+    """The state a checkpoint holds: the parameters that train and their optimizer state. Frozen
+    parameters and buffers (a MoE router's score correction bias, NVFP4 global scales) are the base
+    checkpoint's and never change, so they are left out: every backend's checkpoint then holds the
+    same adapters (the Megatron backend's view has no buffers), and checkpoints written with them
+    still load (only the keys asked for are read)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    buffers = {name for name, _ in model.named_buffers()}
+    return {k: v for k, v in model_state.items() if k not in buffers}, optim_state
+
+
 def load(paths: RunPaths, step: int, model, optimizer, *, rank: int) -> dict:
     """Restore the checkpoint of `step` into `model` and `optimizer` (collective); returns its meta."""
     directory = paths.checkpoint_dir(step)
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_state, optim_state = _trainable_state(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())

@@ -9,6 +9,7 @@ model made (with non-zero B, so LoRA on every MLA projection, the dense MLP and 
 counts), and record logits, the merged weight export and the expert weight bytes of each rank.
 """
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -46,10 +47,13 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
 def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp: int, pp: int, ep: int,
             mode: str, quantization: str = "none") -> None:
     """mode "forward": logits (base and adapted), merged export and expert bytes per rank of the
-    perturbed adapters; "train": STEPS GRPO steps from the initial ones."""
+    perturbed adapters; "train": STEPS GRPO steps from the initial ones, checkpointed after the
+    first; "resume": the checkpoint of step 1 in `run_dir`, then the other steps."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from rltools.paths import RunPaths
+    from rltools.train.megatron import checkpoints as mckpt
     from rltools.train.megatron.model import export_adapter as m_adapter
     from rltools.train.megatron.model import export_weights as m_weights
     from rltools.train.megatron.model import load_adapter, load_megatron_policy
@@ -79,8 +83,15 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp:
                                                 rank=parallel_state.get_data_parallel_rank(),
                                                 world_size=parallel_state.get_data_parallel_world_size()))
             batches = [routed_batch(step, policy.shape) if replay else synthetic_batch(seed=step) for step in range(STEPS)]
-            result = {"metrics": [trainer.step(batch) for batch in batches],
-                      "adapter": {name: tensor.clone() for name, tensor in m_adapter(policy)}}
+            first = 0
+            if mode == "resume":
+                first = mckpt.load(RunPaths(run_dir), 1, policy, trainer.optimizer, rank=rank)["step"]
+            result = {"metrics": []}
+            for step in range(first, STEPS):
+                result["metrics"].append(trainer.step(batches[step]))
+                if step == 0 and mode == "train":
+                    mckpt.save(RunPaths(run_dir), 1, policy, trainer.optimizer, rank=rank, keep=2)
+            result["adapter"] = {name: tensor.clone() for name, tensor in m_adapter(policy)}
         result["weights"] = {name: tensor.clone() for name, tensor in m_weights(policy)}
         expert_bytes = sum(p.numel() * p.element_size() for n, p in policy.gpt.named_parameters()
                            if ".mlp.experts." in n)
@@ -188,12 +199,15 @@ def checkpoints(moe4, tmp_path_factory):
 def runs(reference, checkpoints, tmp_path_factory):
     done = {}
 
-    def run(layout: str, mode: str = "forward", checkpoint: str | None = None) -> dict:
+    def run(layout: str, mode: str = "forward", checkpoint: str | None = None, resume_from: Path | None = None) -> dict:
+        """`resume_from`: the run directory whose checkpoint mode "resume" continues from."""
         world, tp, pp, ep = LAYOUTS[layout]
         checkpoint = checkpoint or ("moe4" if pp > 1 else "shipped")
-        if (layout, mode, checkpoint) not in done:
+        if (layout, mode, checkpoint, resume_from) not in done:
             model_path, quantization = checkpoints(checkpoint)
             run_dir = tmp_path_factory.mktemp(f"{layout}_{mode}")
+            if resume_from is not None:
+                shutil.copytree(resume_from / "checkpoints", run_dir / "checkpoints")
             torch.save(reference["adapter"], run_dir / "adapter.pt")
             torch.save(_initial_adapter(model_path, quantization), run_dir / "initial_adapter.pt")
             with socket.socket() as s:
@@ -201,8 +215,9 @@ def runs(reference, checkpoints, tmp_path_factory):
                 port = s.getsockname()[1]
             spawn(_worker, args=(world, port, str(model_path), str(run_dir), tp, pp, ep, mode, quantization),
                   nprocs=world)
-            done[layout, mode, checkpoint] = torch.load(run_dir / f"{mode}.pt", weights_only=False)
-        return done[layout, mode, checkpoint]
+            done[layout, mode, checkpoint, resume_from] = {**torch.load(run_dir / f"{mode}.pt", weights_only=False),
+                                                           "run_dir": run_dir}
+        return done[layout, mode, checkpoint, resume_from]
 
     return run
 
@@ -329,3 +344,58 @@ def test_routing_replay_with_recomputed_layers_matches_fsdp2(layout, runs, fsdp2
     # random-weight 4-layer one, whose experts differ less)
     moved = max((fsdp["adapter"][n] - natural["adapter"][n]).abs().max().item() for n in natural["adapter"])
     assert moved > 10 * adapter_atol(LR, [m["grad_norm"] for m in fsdp["metrics"]])
+
+
+def _fsdp2_run(model_path: str, run_dir: str, out: str, resume: bool) -> None:
+    """The FSDP2 backend's STEPS steps from seed 0's adapters, checkpointed after the first into
+    `run_dir`; with `resume`, from the checkpoint of step 1 in `run_dir` instead."""
+    from rltools.paths import RunPaths
+    from rltools.train import checkpoints
+    from rltools.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
+    trainer = condition(Trainer(model, AlgorithmConfig(learning_rate=LR), micro_batch_size=2, max_new_tokens=6,
+                                pad_id=0, device=torch.device("cpu")))
+    first = checkpoints.load(RunPaths(run_dir), 1, model, trainer.optimizer, rank=0)["step"] if resume else 0
+    metrics = []
+    for step in range(first, STEPS):
+        metrics.append(trainer.step(synthetic_batch(seed=step)))
+        if step == 0:
+            checkpoints.save(RunPaths(run_dir), 1, model, trainer.optimizer, rank=0, keep=2)
+    torch.save({"metrics": metrics, "adapter": dict(export_adapter(model))}, out)
+
+
+def _assert_adapters_agree(ours: dict, theirs: dict, grad_norms: list[float]) -> None:
+    atol = adapter_atol(LR, grad_norms)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("saved, resumed", [("tp2ep2", "ep1"), ("ep2", "tp2ep2"), ("ep4", "ep2")])
+def test_a_checkpoint_resumes_at_another_layout(saved, resumed, runs):
+    """The checkpoint after step 1 at one TP/EP layout resumes at another: the steps after it train
+    on as the saved run did (within adam_bound's bound: other layouts sum in another order)."""
+    run = runs(saved, "train")
+    again = runs(resumed, "resume", resume_from=run["run_dir"])
+    assert len(again["metrics"]) == STEPS - 1
+    _assert_adapters_agree(again["adapter"], run["adapter"], [m["grad_norm"] for m in run["metrics"]])
+
+
+def test_a_megatron_checkpoint_resumes_on_fsdp2_and_the_other_way_round(runs, tmp_path):
+    """The common format: Megatron at EP 2 -> the FSDP2 backend, and FSDP2 -> Megatron at TP 2 x EP 2;
+    each continues as the run that wrote the checkpoint."""
+    run = runs("ep2", "train")
+    resumed_dir = tmp_path / "on_fsdp2"
+    shutil.copytree(run["run_dir"] / "checkpoints", resumed_dir / "checkpoints")
+    _fsdp2_run(str(MOE), str(resumed_dir), str(tmp_path / "on_fsdp2.pt"), resume=True)
+    on_fsdp2 = torch.load(tmp_path / "on_fsdp2.pt")
+    assert len(on_fsdp2["metrics"]) == STEPS - 1
+    _assert_adapters_agree(on_fsdp2["adapter"], run["adapter"], [m["grad_norm"] for m in run["metrics"]])
+    _fsdp2_run(str(MOE), str(tmp_path / "fsdp2"), str(tmp_path / "fsdp2.pt"), resume=False)
+    fsdp = torch.load(tmp_path / "fsdp2.pt")
+    on_megatron = runs("tp2ep2", "resume", resume_from=tmp_path / "fsdp2")
+    assert len(on_megatron["metrics"]) == STEPS - 1
+    _assert_adapters_agree(on_megatron["adapter"], fsdp["adapter"], [m["grad_norm"] for m in fsdp["metrics"]])

@@ -49,7 +49,8 @@ def _full_view(policy: MegatronPolicy, optimizer):
         full = nn.Parameter(gather(param, dim).clone())
         _set(view, name.replace(".weight", ".default.weight"), full)
         pairs.append((param, full, dim))
-    view_optimizer = torch.optim.AdamW(view.parameters(), **{k: v for k, v in optimizer.defaults.items()
+    # the optimizer's hyperparameters as they are now (not its defaults): the FSDP2 backend restores them
+    view_optimizer = torch.optim.AdamW(view.parameters(), **{k: v for k, v in optimizer.param_groups[0].items()
                                                             if k in ("lr", "weight_decay", "betas", "eps")})
     for param, full, dim in pairs:
         state = optimizer.state.get(param, {})
