@@ -9,6 +9,7 @@ model made (with non-zero B, so LoRA on every MLA projection, the dense MLP and 
 counts), and record logits, the merged weight export and the expert weight bytes of each rank.
 """
 
+import json
 import shutil
 import socket
 from pathlib import Path
@@ -28,6 +29,10 @@ MOE = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-moe-ari
 TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "lm_head"]  # moe-demo.yaml's
 LORA = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
+# DeepSeek-V3 has factor 40, mscale = mscale_all_dim = 1 (the cos/sin factor is then 1); here they
+# differ, so both of transformers' YaRN scalings count
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7}
 STEPS = 2  # GRPO steps compared with FSDP2
 LR = 1e-2  # as _train_one_step's
 # layout -> (trainer ranks, TP, PP, EP); DP is what is left. PP layouts run on a 4-layer variant (`moe4`).
@@ -186,6 +191,13 @@ def checkpoints(moe4, tmp_path_factory):
     made = {"shipped": (MOE, "none"), "moe4": (moe4, "none"), "on the fly": (MOE, "nvfp4")}
 
     def get(name: str) -> tuple[Path, str]:
+        if name == "yarn" and name not in made:  # the shipped weights under DeepSeek-V3's kind of YaRN RoPE
+            out = tmp_path_factory.mktemp("yarn")
+            shutil.copy(MOE / "model.safetensors", out)
+            config = json.loads((MOE / "config.json").read_text())
+            config["rope_parameters"] = YARN
+            (out / "config.json").write_text(json.dumps(config))
+            made[name] = out, "none"
         if name not in made:
             out = tmp_path_factory.mktemp("quantized") / name
             quantize_checkpoint(MOE, out, progress=False, fp8_outside_experts=name == "nvfp4-experts-fp8")
@@ -399,3 +411,18 @@ def test_a_megatron_checkpoint_resumes_on_fsdp2_and_the_other_way_round(runs, tm
     on_megatron = runs("tp2ep2", "resume", resume_from=tmp_path / "fsdp2")
     assert len(on_megatron["metrics"]) == STEPS - 1
     _assert_adapters_agree(on_megatron["adapter"], fsdp["adapter"], [m["grad_norm"] for m in fsdp["metrics"]])
+
+
+def test_yarn_rope_gives_transformers_logits(runs, checkpoints, reference):
+    """MLA under YaRN RoPE (megatron's `rope_type: yarn` from transformers' rope_parameters), at EP 2."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = checkpoints("yarn")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids, mask = _ids()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+    run = runs("ep2", "forward", "yarn")
+    real = mask.bool()
+    assert (run["base_logits"][real] - expected[real]).abs().max() < 1e-4
+    assert (expected[real] - reference["base_logits"][real]).abs().max() > 1e-2  # YaRN changes them

@@ -34,7 +34,9 @@ def test_a_supported_setup_passes(kwargs):
                                     dict(tp=1, ep=8, world=8), dict(tp=1, pp=2, ep=2, world=4, layers=4),
                                     dict(tp=2, ep=2, world=4), dict(tp=2, pp=2, ep=2, world=8, layers=4)])
 def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kwargs):
-    hf = _deepseek(num_hidden_layers=kwargs.pop("layers", 3))
+    hf = _deepseek(num_hidden_layers=kwargs.pop("layers", 3), rope_parameters={  # DeepSeek-V3's own RoPE
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 40, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     check(hf=hf, lora=LoraConfig(target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "lm_head"]), **kwargs)
 
 
@@ -48,6 +50,8 @@ def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kw
     (dict(algorithm={"routing_replay": True}), "routing_replay on a dense model"),
     (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4 on a dense model"),
     (dict(hf=SimpleNamespace(**{**vars(LLAMA), "model_type": "qwen3_moe"})), "Llama-family"),
+    (dict(hf=SimpleNamespace(**{**vars(LLAMA), "rope_parameters": {"rope_type": "yarn", "factor": 4}})),
+     r"RoPE scaling yarn \(YaRN on MLA models only\)"),
     (dict(tp=8, world=8), "must divide"),
     (dict(hf=SimpleNamespace(**{**vars(LLAMA), "tie_word_embeddings": True}),
           lora=LoraConfig(target_modules=["lm_head"])), r"LoRA on \['lm_head'\].*with tied embeddings"),
@@ -95,6 +99,8 @@ def _deepseek(**changes):
     (dict(), dict(tp=1, ep=3, world=3), "expert_parallel 3 must divide the 8 routed experts"),
     (dict(rope_interleave=False), dict(tp=1), "rope_interleave: false"),
     (dict(q_lora_rank=None), dict(tp=1), "q_lora_rank: null"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4, "original_max_position_embeddings": 16,
+                           "attention_factor": 1.2}), dict(tp=1), "explicit attention_factor"),
     (dict(scoring_func="softmax"), dict(tp=1), "scoring_func softmax"),
     (dict(n_group=4, topk_group=2), dict(tp=1), "num_experts_per_tok // topk_group = 1"),
     (dict(), dict(tp=1, lora=LoraConfig(target_modules=["q_a_proj", "q_proj"])), r"LoRA on \['q_proj'\]"),

@@ -46,7 +46,7 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         config = MLATransformerConfig(
             **common, kv_channels=hf.v_head_dim, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
             qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
-            qk_layernorm=True, rope_type="rope", rotary_base=rotary_base,
+            qk_layernorm=True, rotary_base=rotary_base, **mla_rope(hf),
             num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
             moe_shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size or None,
             moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="sigmoid",
@@ -82,6 +82,34 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         # weights inside the layers would get no gradient (later stages receive inputs that do).
         gpt.embedding.register_forward_hook(_output_needs_grad)
     return gpt
+
+
+def mla_rope(hf) -> dict:
+    """MLATransformerConfig's RoPE settings for an HF DeepSeek-V3 config: plain, or YaRN as
+    transformers computes it (inverse frequencies ramped between `beta_fast` and `beta_slow`, cos/sin
+    scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), softmax by mscale(factor,
+    mscale_all_dim)^2); what megatron cannot express, `yarn_unsupported` names."""
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "yarn":
+        return {"rope_type": "rope"}
+    original = rope["original_max_position_embeddings"]
+    return {"rope_type": "yarn", "rotary_scaling_factor": float(rope.get("factor") or hf.max_position_embeddings / original),
+            "original_max_position_embeddings": original, "beta_fast": float(rope.get("beta_fast") or 32),
+            "beta_slow": float(rope.get("beta_slow") or 1), "mscale": float(rope.get("mscale") or 1.0),
+            "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+
+
+def yarn_unsupported(hf) -> list[str]:
+    """The YaRN settings of an HF config that megatron's YaRN would compute otherwise."""
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    missing = []
+    if rope.get("attention_factor") is not None:
+        missing.append("YaRN with an explicit attention_factor")
+    if rope.get("mscale_all_dim") and not rope.get("mscale"):  # transformers then ignores mscale_all_dim for cos/sin
+        missing.append("YaRN with mscale_all_dim but no mscale")
+    if rope.get("truncate", True) is not True:
+        missing.append("YaRN with truncate: false")
+    return missing
 
 
 def _without_transformer_engine() -> None:

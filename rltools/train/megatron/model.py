@@ -33,7 +33,7 @@ from ...quant.nvfp4_checkpoint import QuantizedModules
 from ...fused_layers import module_of
 from ...weight_sync import TensorStream
 from . import convert
-from .build import build_gpt
+from .build import build_gpt, yarn_unsupported
 from .lora import LINEARS, LoraParallelLinear, split_dim
 from .packed import _PackedExpertLinear
 from .replay import set_routes
@@ -207,8 +207,11 @@ def check_supported(config, hf_config, world_size: int) -> None:
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         missing.append("attention/MLP biases")
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        missing.append(f"RoPE scaling {rope.get('rope_type')}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "yarn" and model_type == "deepseek_v3":  # megatron's MLA has YaRN
+        missing += yarn_unsupported(hf_config)
+    elif rope_type != "default":
+        missing.append(f"RoPE scaling {rope_type}" + (" (YaRN on MLA models only)" if rope_type == "yarn" else ""))
     if model_type == "deepseek_v3":
         missing += _deepseek_unsupported(hf_config, tensor_parallel, expert_parallel)
     elif hf_config.num_key_value_heads % tensor_parallel:
