@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
+from rltools.fused_layers import with_fused_partners
 from rltools.train.model import export_adapter, export_weights, load_policy
 from tests.spawn import spawn
 
@@ -78,7 +79,8 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp:
         if mode == "forward":
             base_logits = _logits(policy, _ids())
             load_adapter(policy, torch.load(f"{run_dir}/adapter.pt"))
-            result = {"base_logits": base_logits, "logits": _logits(policy, _ids())}
+            result = {"base_logits": base_logits, "logits": _logits(policy, _ids()),
+                      "adapted": {name: t.clone() for name, t in m_weights(policy, modules=with_fused_partners(TARGETS))}}
         else:  # "train", or "replay": routing replay (and gradient checkpointing) on routed rollouts
             replay = mode == "replay"
             load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
@@ -123,7 +125,9 @@ def reference():
         logits = model(input_ids=ids, attention_mask=mask).logits
         with model.disable_adapter():
             base = model(input_ids=ids, attention_mask=mask).logits
+    adapted = export_weights(model, LORA.alpha / LORA.rank, with_fused_partners(TARGETS))
     return {"adapter": dict(export_adapter(model)), "logits": logits, "base_logits": base,
+            "adapted": {name: tensor.clone() for name, tensor in adapted},
             "weights": {name: tensor.clone() for name, tensor in export_weights(model, LORA.alpha / LORA.rank)}}
 
 
@@ -273,6 +277,17 @@ def test_the_merged_export_is_the_fsdp2_backends(layout, runs, reference):
     for name, tensor in expected.items():
         assert weights[name].dtype == tensor.dtype and weights[name].shape == tensor.shape, name
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2ep2"])
+def test_the_adapted_layers_export_is_the_fsdp2_backends(layout, runs, reference):
+    """`weight_sync: adapted`: the merged weights of the adapted modules and their fused partners,
+    the same tensors under the same names as the FSDP2 backend sends: no routed expert (whose
+    projections share the adapted dense MLP's names; sending them was 48 tensors more here)."""
+    adapted, expected = runs(layout)["adapted"], reference["adapted"]
+    assert adapted.keys() == expected.keys() and len(expected) < len(reference["weights"])
+    for name, tensor in expected.items():
+        torch.testing.assert_close(adapted[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("layout", ["ep2", "ep4", "tp2ep4"])

@@ -418,7 +418,8 @@ def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
             name = policy.global_name(local)
             if name not in names:
                 continue  # the LoRA matrices themselves, or the untied copy of a tied embedding
-            if modules is not None and not any(module_of(hf_name) in modules for hf_name in names[name]):
+            if modules is not None and (f".{EXPERTS}" in name  # routed experts: never adapted (nor fused with what is)
+                                        or not any(module_of(hf_name) in modules for hf_name in names[name])):
                 continue
             if f".{EXPERTS}" in name:  # whole on its EP rank
                 for ep_rank, expert in enumerate([param] * ep_rank_size()[1] if meta else expert_shards(param)):
