@@ -29,14 +29,13 @@ from torch import nn
 
 from ...config.schema import LoraConfig, ModelConfig
 from ...errors import UserError
-from ...quant.nvfp4_checkpoint import QuantizedModules
 from ...fused_layers import module_of
+from ...quant.nvfp4_checkpoint import QuantizedModules
 from ...weight_sync import TensorStream
 from . import convert
 from .build import build_gpt, yarn_unsupported
 from .lora import LINEARS, LoraParallelLinear, split_dim
-from .packed import _PackedExpertLinear
-from .replay import set_routes
+from .packed import PackedExpertLinear
 from .parallel import (
     ep_rank_size,
     every_stage,
@@ -47,6 +46,7 @@ from .parallel import (
     to_first_stage,
     tp_rank_size,
 )
+from .replay import set_routes
 
 PEFT_PREFIX = "base_model.model."
 EXPERTS = "mlp.experts.local_experts."
@@ -112,9 +112,9 @@ class MegatronPolicy(nn.Module):
         yield from ((f"{n}.weight", m.dense(self.config.params_dtype, meta)) for n, m in packed.items())
         yield from ((n, b) for n, b in self.gpt.named_buffers() if n.endswith(".router.expert_bias"))
 
-    def packed_linears(self) -> Iterator[tuple[str, "_PackedExpertLinear"]]:
+    def packed_linears(self) -> Iterator[tuple[str, "PackedExpertLinear"]]:
         """(local name, module) of the routed experts' packed linears (`model.quantization: nvfp4`)."""
-        return ((n, m) for n, m in self.gpt.named_modules() if isinstance(m, _PackedExpertLinear))
+        return ((n, m) for n, m in self.gpt.named_modules() if isinstance(m, PackedExpertLinear))
 
     def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] (full vocabulary on every TP rank) of left- or right-padded rows;
@@ -144,7 +144,8 @@ class MegatronPolicy(nn.Module):
         if routes.shape[2] != moe:
             raise ValueError(f"routing replay: the rollouts route {routes.shape[2]} MoE layers, the model has {moe}: "
                              "generator and trainer serve different models (model.path)")
-        filler = torch.arange(routes.shape[-1], dtype=routes.dtype).expand(routes.shape[0], extra, *routes.shape[2:])
+        filler = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device).expand(
+            routes.shape[0], extra, *routes.shape[2:])
         routes = torch.cat([routes, filler], dim=1).transpose(0, 1)
         if self.config.sequence_parallel:
             rank, size = tp_rank_size()

@@ -17,7 +17,7 @@ from ...quant.linear import packed_linear
 from ...quant.nvfp4 import BLOCK, dequantize
 
 
-class _PackedExpertLinear(nn.Module):
+class PackedExpertLinear(nn.Module):
     PROJECTIONS: tuple[str, ...] = ()
 
     def __init__(self, input_size: int, output_size: int, *, config, **_):
@@ -60,11 +60,11 @@ class _PackedExpertLinear(nn.Module):
                     getattr(self, f"{projection}_{leaf}").copy_(tensor.reshape(getattr(self, f"{projection}_{leaf}").shape))
 
 
-class PackedExpertFc1(_PackedExpertLinear):
+class PackedExpertFc1(PackedExpertLinear):
     PROJECTIONS = ("gate_proj", "up_proj")
 
 
-class PackedExpertFc2(_PackedExpertLinear):
+class PackedExpertFc2(PackedExpertLinear):
     PROJECTIONS = ("down_proj",)
 
 
