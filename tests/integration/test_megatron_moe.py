@@ -137,7 +137,7 @@ def routed_batch(seed: int, shape) -> "RolloutBatch":
     from rltools.rollout.batch import RolloutBatch, Sample
 
     batch, rng = synthetic_batch(seed=seed), np.random.default_rng(100 + seed)
-    layers = sum(map(shape.is_moe, range(shape.layers)))
+    layers = len(shape.moe_layers)
     samples = []
     for i in range(len(batch)):
         prompt, completion = batch.prompt(i), batch.completion(i)
@@ -147,19 +147,31 @@ def routed_batch(seed: int, shape) -> "RolloutBatch":
     return RolloutBatch.from_samples(samples, policy_version=0)
 
 
-def _replayed_fsdp2(model_path: str, out: str) -> None:
-    """STEPS FSDP2 steps with routing replay and gradient checkpointing on `routed_batch`es."""
+def _fsdp2_run(model_path: str, out: str, *, replay: bool = False, run_dir: str | None = None,
+               resume: bool = False) -> None:
+    """The FSDP2 backend's STEPS steps from seed 0's adapters, AdamW conditioned as the Megatron runs:
+    with `replay`, routing replay and gradient checkpointing on `routed_batch`es; with `run_dir`,
+    checkpointed there after the first step, or (`resume`) continuing from that checkpoint."""
+    from transformers import AutoConfig
+
+    from rltools.paths import RunPaths
+    from rltools.train import checkpoints
     from rltools.train.megatron.convert import Shape
     from rltools.train.trainer import Trainer
-    from transformers import AutoConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=model_path, dtype="float32"), LORA, gradient_checkpointing=True)
-    trainer = condition(Trainer(model, AlgorithmConfig(learning_rate=LR, routing_replay=True), micro_batch_size=2,
+    model = load_policy(ModelConfig(path=model_path, dtype="float32"), LORA, gradient_checkpointing=replay)
+    trainer = condition(Trainer(model, AlgorithmConfig(learning_rate=LR, routing_replay=replay), micro_batch_size=2,
                                 max_new_tokens=6, pad_id=0, device=torch.device("cpu")))
     shape = Shape.from_hf(AutoConfig.from_pretrained(model_path))
-    metrics = [trainer.step(routed_batch(step, shape)) for step in range(STEPS)]
+    batches = [routed_batch(step, shape) if replay else synthetic_batch(seed=step) for step in range(STEPS)]
+    first = checkpoints.load(RunPaths(run_dir), 1, model, trainer.optimizer, rank=0)["step"] if resume else 0
+    metrics = []
+    for step in range(first, STEPS):
+        metrics.append(trainer.step(batches[step]))
+        if step == 0 and run_dir is not None:
+            checkpoints.save(RunPaths(run_dir), 1, model, trainer.optimizer, rank=0, keep=2)
     torch.save({"metrics": metrics, "lr": LR, "adapter": dict(export_adapter(model)),
                 "weights": dict(export_weights(model, LORA.alpha / LORA.rank))}, out)
 
@@ -309,7 +321,7 @@ def fsdp2(checkpoints, tmp_path_factory):
             model_path, quantization = checkpoints(checkpoint)
             out = tmp_path_factory.mktemp("fsdp2") / "fsdp.pt"
             if replay:
-                _replayed_fsdp2(str(model_path), str(out))
+                _fsdp2_run(str(model_path), str(out), replay=True)
             else:
                 _train_one_step(0, 1, str(model_path), 0, str(out), quantization, lora=LORA)
             done[checkpoint, replay] = torch.load(out)
@@ -373,27 +385,6 @@ def test_routing_replay_with_recomputed_layers_matches_fsdp2(layout, runs, fsdp2
     assert moved > 10 * adapter_atol(LR, [m["grad_norm"] for m in fsdp["metrics"]])
 
 
-def _fsdp2_run(model_path: str, run_dir: str, out: str, resume: bool) -> None:
-    """The FSDP2 backend's STEPS steps from seed 0's adapters, checkpointed after the first into
-    `run_dir`; with `resume`, from the checkpoint of step 1 in `run_dir` instead."""
-    from rltools.paths import RunPaths
-    from rltools.train import checkpoints
-    from rltools.train.trainer import Trainer
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = load_policy(ModelConfig(path=model_path, dtype="float32"), LORA)
-    trainer = condition(Trainer(model, AlgorithmConfig(learning_rate=LR), micro_batch_size=2, max_new_tokens=6,
-                                pad_id=0, device=torch.device("cpu")))
-    first = checkpoints.load(RunPaths(run_dir), 1, model, trainer.optimizer, rank=0)["step"] if resume else 0
-    metrics = []
-    for step in range(first, STEPS):
-        metrics.append(trainer.step(synthetic_batch(seed=step)))
-        if step == 0:
-            checkpoints.save(RunPaths(run_dir), 1, model, trainer.optimizer, rank=0, keep=2)
-    torch.save({"metrics": metrics, "adapter": dict(export_adapter(model))}, out)
-
-
 def _assert_adapters_agree(ours: dict, theirs: dict, grad_norms: list[float]) -> None:
     atol = adapter_atol(LR, grad_norms)
     assert ours.keys() == theirs.keys()
@@ -417,11 +408,11 @@ def test_a_megatron_checkpoint_resumes_on_fsdp2_and_the_other_way_round(runs, tm
     run = runs("ep2", "train")
     resumed_dir = tmp_path / "on_fsdp2"
     shutil.copytree(run["run_dir"] / "checkpoints", resumed_dir / "checkpoints")
-    _fsdp2_run(str(MOE), str(resumed_dir), str(tmp_path / "on_fsdp2.pt"), resume=True)
+    _fsdp2_run(str(MOE), str(tmp_path / "on_fsdp2.pt"), run_dir=str(resumed_dir), resume=True)
     on_fsdp2 = torch.load(tmp_path / "on_fsdp2.pt")
     assert len(on_fsdp2["metrics"]) == STEPS - 1
     _assert_adapters_agree(on_fsdp2["adapter"], run["adapter"], [m["grad_norm"] for m in run["metrics"]])
-    _fsdp2_run(str(MOE), str(tmp_path / "fsdp2"), str(tmp_path / "fsdp2.pt"), resume=False)
+    _fsdp2_run(str(MOE), str(tmp_path / "fsdp2.pt"), run_dir=str(tmp_path / "fsdp2"))
     fsdp = torch.load(tmp_path / "fsdp2.pt")
     on_megatron = runs("tp2ep2", "resume", resume_from=tmp_path / "fsdp2")
     assert len(on_megatron["metrics"]) == STEPS - 1

@@ -17,7 +17,7 @@ LLAMA = SimpleNamespace(model_type="llama", hidden_act="silu", num_key_value_hea
 
 
 def check(lora=LoraConfig(), model=ModelConfig(path="m"), hf=LLAMA, tp=2, pp=1, ep=1, world=2, algorithm=None):
-    from rltools.train.megatron.model import check_supported
+    from rltools.train.megatron.support import check_supported
 
     config = RLConfig(run={"name": "t"}, model=model, lora=lora, algorithm=algorithm or {}, trainer={
         "backend": "megatron", "tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep})
@@ -32,9 +32,11 @@ def test_a_supported_setup_passes(kwargs):
 
 @pytest.mark.parametrize("kwargs", [dict(tp=1, world=1), dict(tp=1, ep=2), dict(tp=1, ep=2, world=4),
                                     dict(tp=1, ep=8, world=8), dict(tp=1, pp=2, ep=2, world=4, layers=4),
-                                    dict(tp=2, ep=2, world=4), dict(tp=2, pp=2, ep=2, world=8, layers=4)])
+                                    dict(tp=2, ep=2, world=4), dict(tp=2, pp=2, ep=2, world=8, layers=4),
+                                    dict(tp=2, ep=2, world=4, kv_lora_rank=31)])  # MLA's down projections are whole
 def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kwargs):
-    hf = _deepseek(num_hidden_layers=kwargs.pop("layers", 3), rope_parameters={  # DeepSeek-V3's own RoPE
+    extra = {"kv_lora_rank": kwargs.pop("kv_lora_rank")} if "kv_lora_rank" in kwargs else {}
+    hf = _deepseek(num_hidden_layers=kwargs.pop("layers", 3), **extra, rope_parameters={  # DeepSeek-V3's own RoPE
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 40, "original_max_position_embeddings": 4096,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     check(hf=hf, lora=LoraConfig(target_modules=["q_a_proj", "kv_b_proj", "gate_proj", "lm_head"]), **kwargs)
@@ -95,7 +97,7 @@ def _deepseek(**changes):
 @pytest.mark.parametrize("changes, kwargs, message", [
     (dict(), dict(tp=1, pp=2, world=2), "layer count"),
     (dict(), dict(tp=3, world=3), r"tensor_parallel 3 must divide the attention heads \(4\)"),
-    (dict(kv_lora_rank=31), dict(tp=2), r"must divide the kv_lora_rank \+ qk_rope_head_dim \(95\)"),
+    (dict(intermediate_size=343), dict(tp=2), r"must divide the intermediate_size \(343\)"),
     (dict(), dict(tp=1, ep=3, world=3), "expert_parallel 3 must divide the 8 routed experts"),
     (dict(rope_interleave=False), dict(tp=1), "rope_interleave: false"),
     (dict(q_lora_rank=None), dict(tp=1), "q_lora_rank: null"),

@@ -7,8 +7,9 @@ import torch
 from ...errors import UserError
 from ..backend import Backend, Tensors
 from . import checkpoints
-from .model import check_supported, export_adapter, export_weights, load_megatron_policy
+from .model import export_adapter, export_weights, load_megatron_policy
 from .parallel import init_parallel
+from .support import check_supported
 from .trainer import MegatronTrainer
 
 

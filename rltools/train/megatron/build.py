@@ -39,8 +39,7 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         sequence_parallel=tensor_parallel > 1 and shape.experts > 0,
         **(_RECOMPUTE if recompute else {}),
     )
-    rope = getattr(hf, "rope_parameters", None) or {}
-    rotary_base = int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    rotary_base = int(rope_parameters(hf).get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     if shape.mla:
         _without_transformer_engine()
         config = MLATransformerConfig(
@@ -84,12 +83,17 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
     return gpt
 
 
+def rope_parameters(hf) -> dict:
+    """An HF config's RoPE settings (`rope_parameters`, or the older `rope_scaling`)."""
+    return getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+
+
 def mla_rope(hf) -> dict:
     """MLATransformerConfig's RoPE settings for an HF DeepSeek-V3 config: plain, or YaRN as
     transformers computes it (inverse frequencies ramped between `beta_fast` and `beta_slow`, cos/sin
     scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), softmax by mscale(factor,
     mscale_all_dim)^2); what megatron cannot express, `yarn_unsupported` names."""
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope = rope_parameters(hf)
     if rope.get("rope_type", rope.get("type", "default")) != "yarn":
         return {"rope_type": "rope"}
     original = rope["original_max_position_embeddings"]
@@ -101,7 +105,7 @@ def mla_rope(hf) -> dict:
 
 def yarn_unsupported(hf) -> list[str]:
     """The YaRN settings of an HF config that megatron's YaRN would compute otherwise."""
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope = rope_parameters(hf)
     missing = []
     if rope.get("attention_factor") is not None:
         missing.append("YaRN with an explicit attention_factor")

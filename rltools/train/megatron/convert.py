@@ -49,6 +49,11 @@ class Shape:
     def is_moe(self, layer: int) -> bool:
         return self.dense_layers is not None and layer >= self.dense_layers
 
+    @property
+    def moe_layers(self) -> list[int]:
+        """The global indices of the MoE layers (routing replay numbers them 0, 1, ... in this order)."""
+        return [i for i in range(self.layers) if self.is_moe(i)]
+
 
 def name_map(shape: Shape) -> dict[str, tuple[str, ...]]:
     """Megatron name -> the HF names it is made of (in fusion order); routed experts by global index."""
