@@ -4,7 +4,11 @@ Invariant: a message is either delivered whole to every receiver's consumer, in 
 version order, or the failure is reported on every side that is still alive. A receiver refuses a
 version that is not newer than the last one it applied; the sender returns only after every receiver
 acknowledged (applied, refused or failed). Every collective has a deadline, and an expired one names
-the group, the operation, the elapsed time and the timeout.
+the group, the operation, the elapsed time and the timeout. A collective is given up early when the
+`abandon` hook has a reason (a peer's heartbeat stopped, the group was re-formed). On NCCL both are
+kept by polling `Work.is_completed()`: torch's `Work.wait(timeout)` blocks the thread until the
+collective completes or times out, deaf to either, and torch's own NCCL timeout is set past ours
+(`weight_sync.nccl`), so the error a stalled or lost peer ends in is this one, named.
 
 One message on the wire (header and ack are int64, everything else uint8):
   1. header    int64[4]: MAGIC, policy version, metadata length, piece count
@@ -131,6 +135,10 @@ class _Collectives:
     def broadcast(self, tensor: torch.Tensor, what: str, timeout: float | None = None) -> _Pending:
         """Start a broadcast from sync rank 0 (`timeout` overrides the group's for this one)."""
         limit = self.group.timeout if timeout is None else timedelta(seconds=timeout)
+        if self.group.backend == "nccl" and limit > self.group.timeout:
+            raise ValueError(f"{self.group.describe()}: {what} may not wait {limit.total_seconds():g} s, longer than "
+                             f"the group's collective timeout ({self.group.timeout.total_seconds():g} s), past which "
+                             "torch's own NCCL watchdog ends it: raise SyncOptions.collective_timeout_s instead")
         started = time.monotonic()
         if tensor.numel() == 0:
             return _Pending(None, what, started, limit, tensor)
@@ -167,24 +175,34 @@ class _Collectives:
         if pending.work is None:
             return
         try:
-            if self.group.backend == "gloo" and self.abandon is None:
-                pending.work.wait(pending.limit)  # the backend enforces the limit too; this bounds our own wait
-                return
             if self.group.backend == "nccl":
-                pending.work.wait(pending.limit)  # orders the stream; returns at once
-            self._poll(pending, self.abandon)
-            if self.group.backend == "gloo":
+                self._wait_nccl(pending)
+            elif self.abandon is None:
+                pending.work.wait(pending.limit)  # gloo enforces the limit too; this bounds our own wait
+            else:
+                self._poll(pending, self.abandon)
                 pending.work.wait(pending.limit)  # completed: returns at once, or raises its error
         except RuntimeError as e:
             self._fail(e, pending.what, pending.started, pending.limit)
 
+    def _wait_nccl(self, pending: _Pending) -> None:
+        """`wait()` without a timeout only orders the current stream after the collective and returns;
+        with one it would block this thread until the collective ends (torch's `WorkNCCL::wait`),
+        deaf to our deadline and to `abandon`. So: order the stream, poll, then `wait()` once more,
+        which returns at once or raises the error of a collective that ended by failing (an NCCL
+        error, a communicator aborted by torch's watchdog)."""
+        pending.work.wait()
+        self._poll(pending, self.abandon)
+        pending.work.wait()
+
     @staticmethod
     def _poll(pending: _Pending, abandon: Callable[[], str | None] | None = None) -> None:
-        """Poll the work's completion against the deadline (and `abandon`). On NCCL `Work.wait` only
-        orders the current stream after the collective and returns (it blocks only with
-        TORCH_NCCL_BLOCKING_WAIT): polling (a CUDA event query) makes a stalled peer end in our named
-        error rather than a watchdog abort, and keeps the host from running ahead of the wire holding
-        every tensor it queued."""
+        """Poll the work's completion (`is_completed()`, which never blocks: a CUDA event query on NCCL)
+        against the deadline and `abandon`, asked every ABANDON_POLL_S. On NCCL this is the only wait
+        that can keep them: `Work.wait(timeout)` blocks the CPU thread until the collective completes
+        or times out, so a stale heartbeat could not end it, and torch's own timeout (set past ours)
+        would end it in the watchdog rather than in our named error. It also keeps the sender from
+        running ahead of the wire, holding every tensor it queued."""
         deadline = pending.started + pending.limit.total_seconds()
         began = asked = time.monotonic()
         pause = 20e-6

@@ -29,6 +29,12 @@ client, so a prefix hides nothing; with sealed keys a process without the secret
 keys (deny service, which ends in a named timeout) but cannot forge a peer address the group accepts.
 The data path itself (gloo/NCCL sockets) is unauthenticated and unencrypted, as in any
 torch.distributed job: the secret guards who may join, not the wire.
+
+On NCCL every wait of forming a group has a deadline too: the exchange of the NCCL id goes through
+the sealed store (its timeout), and ncclCommInitRank, which waits for every member, runs in a thread
+whose deadline this process keeps (`nccl.connect`). torch's own NCCL timeout and error handling are set
+so that our named WeightSyncError, not torch's watchdog, ends a stalled or failed collective
+(`weight_sync.nccl`).
 """
 
 import contextlib
@@ -57,11 +63,13 @@ from .admission import (
     _read_secret,
     _unseal,
 )
+from .nccl import connect, forming, nccl_group
 from .store import SealedStore, WeightSyncError, bound_store
 
 log = logging.getLogger("rltools.weight_sync")
 
 BACKENDS = ("gloo", "nccl")
+
 @dataclass(frozen=True)
 class SyncOptions:
     backend: str = "gloo"
@@ -312,10 +320,14 @@ def _form(sealed: "SealedStore", rank: int, world_size: int, options: SyncOption
             pg, device = dist.ProcessGroupGloo(sealed, rank, world_size, timeout), torch.device("cpu")
         else:
             device = device or torch.device("cuda", torch.cuda.current_device())
-            nccl_options = dist.ProcessGroupNCCL.Options()
-            nccl_options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(sealed, rank, world_size, nccl_options)
-            pg.eager_connect_single_device(device)  # fail here, named, not at the first broadcast
+            pg = nccl_group(sealed, rank, world_size, timeout)
+            try:  # fail here, named and within the join deadline, not at the first broadcast
+                connect(pg, device, _left(deadline), forming(rank, world_size, generation, members))
+            except WeightSyncError:
+                _GIVEN_UP.append(pg)  # its init thread still blocks in NCCL: never destroyed
+                raise
+    except WeightSyncError:
+        raise
     except (dist.DistError, RuntimeError) as e:
         raise WeightSyncError(f"weight-sync: forming the group ({describe}) failed as sync rank {rank} after "
                               f"{time.monotonic() - started:.1f} s: {_first_line(e)}") from e

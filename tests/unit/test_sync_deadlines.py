@@ -1,6 +1,8 @@
-"""The weight-sync channel on NCCL, where `Work.wait` returns at once (it only orders streams): the
+"""The weight-sync channel on NCCL, where `Work.wait()` only orders streams and returns, and
+`Work.wait(timeout)` blocks the thread until the work completes or times out (torch's docstring): the
 sender's in-flight bound and every named deadline must still hold. A stand-in process group whose
-works complete only after some polls (or never) plays NCCL; the real one runs in scripts/gpu-check.sh."""
+works complete only after some polls (or never) plays NCCL; the real one runs in scripts/gpu-check.sh.
+tests/unit/test_nccl_waits.py has the abandon hook and the forming of the communicator."""
 
 import time
 from datetime import timedelta
@@ -13,12 +15,18 @@ from rltools.weight_sync.rendezvous import SyncGroup, WeightSyncError
 
 
 class Work:
-    """An NCCL-like work: `wait` returns at once; complete after `polls` queries (None: never)."""
+    """An NCCL-like work, complete after `polls` queries (None: never): `wait()` returns at once,
+    `wait(timeout)` blocks until complete, or raises at the timeout."""
 
     def __init__(self, group: "StandInNCCL", polls: int | None):
         self.group, self.polls = group, polls
 
-    def wait(self, timeout=None) -> bool:
+    def wait(self, timeout=timedelta(0)) -> bool:
+        begin = time.monotonic()
+        while timeout and not self.is_completed():
+            if time.monotonic() - begin >= timeout.total_seconds():
+                raise RuntimeError("stand-in work timed out in blocking wait")
+            time.sleep(0.001)
         return True
 
     def is_completed(self) -> bool:
