@@ -7,8 +7,12 @@
 #   - the repo's .venv with the GPU extras (a cluster node): RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh
 #   - no .venv: the machine's python3 with its own torch (a GPU machine lent without network, such as
 #     the one-H200 machines of this workplace), plus the wheels `bash scripts/gpu-wheels.sh` put in
-#     .whl/ on a machine that has the package index: installed under a temporary directory here.
-#     Checks that need what is neither there nor carried (vLLM's CUDA build) report themselves skipped.
+#     .whl/ on a machine that has the package index: installed under a temporary directory here, first
+#     on PYTHONPATH, so that a carried package shadows the machine's older copy (typing-extensions:
+#     pydantic needs a newer one than such a machine may have). The machine's own transformers and
+#     peft run, whatever their release (their version gates, rltools/versions.py, are told to allow
+#     it); the summary records which ran. Checks that need what is neither there nor carried (vLLM's
+#     CUDA build) report themselves skipped.
 # RLTOOLS_PYTHON overrides the choice. rltools itself is imported from this checkout. Hugging Face is
 # offline and vLLM's usage stats are off. Logs go to stderr; stdout carries only the JSON. Without
 # CUDA every check is skipped, the JSON still prints, and the exit code is 0.
@@ -42,12 +46,14 @@ else
             >&2 || { echo "gpu-check: the wheels in .whl/ do not install for $PY" >&2; exit 2; }
         export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
+    export RLTOOLS_ALLOW_UNTESTED_TRANSFORMERS=${RLTOOLS_ALLOW_UNTESTED_TRANSFORMERS:-1}
+    export RLTOOLS_ALLOW_UNTESTED_PEFT=${RLTOOLS_ALLOW_UNTESTED_PEFT:-1}
 fi
-"$PY" -c 'import torch, pydantic' 2>/dev/null || {
-    echo "gpu-check: $PY lacks torch or rltools' dependencies: create .venv (RLTOOLS_EXTRAS=gpu,test bash" \
-        "scripts/setup.sh) or carry the wheels of scripts/gpu-wheels.sh in .whl/" >&2
+if ! said=$("$PY" -c 'import torch, pydantic' 2>&1 | tail -n 1); then
+    echo "gpu-check: $PY lacks torch or rltools' dependencies ($said): create .venv" \
+        "(RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh) or carry the wheels of scripts/gpu-wheels.sh in .whl/" >&2
     exit 2
-}
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "gpu-check: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'))" >&2
 BUDGET=${RLTOOLS_GPU_CHECK_BUDGET_S:-450}
@@ -170,7 +176,13 @@ def machine():
         except metadata.PackageNotFoundError:
             pass
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda, "vllm": vllm}
+    libraries = {}
+    for dist in ("megatron-core", "peft", "transformers", "pydantic", "typing-extensions"):
+        try:
+            libraries[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            libraries[dist] = None
+    return {"gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda, "vllm": vllm} | libraries
 
 
 checks = [entry for name in (work / "order").read_text().split() for entry in results(name)]

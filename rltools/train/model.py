@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config.schema import LoraConfig, ModelConfig
 from ..fused_layers import module_of
+from ..versions import PEFT, TRANSFORMERS, require_tested
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PEFT_PREFIX = "base_model.model."
@@ -28,6 +29,7 @@ _LORA_WEIGHT = re.compile(r"(.*)\.lora_([AB])\.[^.]+\.weight")
 
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpointing: bool = False) -> nn.Module:
+    require_tested(TRANSFORMERS, PEFT)  # their private code, reached from here, is listed in rltools/versions.py
     nvfp4 = model_cfg.quantization == "nvfp4"
     if nvfp4 and not lora_cfg.enabled:
         raise ValueError("model.quantization: nvfp4 freezes the base model; set lora.enabled: true to train adapters")

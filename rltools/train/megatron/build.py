@@ -5,6 +5,7 @@ layers), and the mends megatron-core 0.16.1 needs to build the latter without Tr
 import torch
 from torch import nn
 
+from ...versions import MEGATRON_CORE, require_tested
 from . import convert
 from .packed import pack_expert_specs
 
@@ -17,6 +18,7 @@ _RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", reco
 def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: int, *, pre_process: bool,
               post_process: bool, recompute: bool = False, packed_experts: bool = False) -> nn.Module:
     """`packed_experts`: the routed experts' linears hold NVFP4 triples (`packed.py`)."""
+    require_tested(MEGATRON_CORE)  # its private code, reached from here, is listed in rltools/versions.py
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
