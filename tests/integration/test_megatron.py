@@ -64,6 +64,8 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mod
             result["logits"] = _logits(policy)
             stream = m_weights(policy)
             result["weight_specs"], result["base_weights"] = stream.specs, _copies(stream)
+        if mode == "logits" and pp == 1:
+            result["attention_memory"] = attention_memory_ratio(policy, vocab=40)
         if mode == "train":
             result["metrics"] = []
             for step in range(STEPS):
@@ -88,6 +90,47 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, mod
     if rank == 0:
         torch.save(result, f"{run_dir}/{mode}_{world}_tp{tp}_pp{pp}.pt")
     dist.destroy_process_group()
+
+
+def peak_allocated(fn) -> int:
+    """The peak of live CPU tensor bytes while `fn()` runs, above those live when it starts: the CPU
+    allocator's running total at each allocation, as torch's profiler records it."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.extra_fields.total_allocated, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    if not allocations:
+        return 0
+    allocations.sort()
+    _, total, size = allocations[0]
+    return max(t for _, t, _ in allocations) - (total - size)
+
+
+def attention_memory_ratio(policy, vocab: int, length: int = 128) -> float:
+    """Peak memory of a training forward + backward (two rows, one left-padded) at 4 x `length`
+    tokens over that at `length`: ~4 when nothing grows as the square of the sequence (one stage)."""
+
+    def peak(width: int) -> int:
+        ids = torch.randint(3, vocab, (2, width), generator=torch.Generator().manual_seed(width))
+        mask = torch.ones_like(ids)
+        mask[0, : width // 4] = 0
+
+        def step():
+            policy(ids, mask)[mask.bool()].logsumexp(-1).mean().backward()
+
+        policy.zero_grad(set_to_none=True)
+        return peak_allocated(step)
+
+    ratio = peak(4 * length) / peak(length)
+    policy.zero_grad(set_to_none=True)
+    return ratio
 
 
 def _copies(named_tensors) -> dict:
@@ -144,6 +187,18 @@ def trained(tiny_model, tmp_path_factory):
         return runs[layout]
 
     return run
+
+
+def test_core_attention_is_transformer_engines_when_installed_else_sdpa():
+    """Transformer Engine's fused attention for a 16-bit model when TE is installed (GPU machines;
+    not here); torch's SDPA otherwise, and always in float32, where TE would fall back to s x s scores."""
+    from megatron.core.extensions import transformer_engine
+
+    from rltools.train.megatron.attention import SdpaAttention, core_attention
+
+    assert core_attention(torch.float32) is SdpaAttention
+    te = transformer_engine.TEDotProductAttention if transformer_engine.HAVE_TE else SdpaAttention
+    assert core_attention(torch.bfloat16) is te
 
 
 def test_conversion_round_trip_is_exact(tiny_model):
@@ -205,6 +260,10 @@ def test_grouped_query_attention_and_tied_embeddings(tp, pp, tmp_path):
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
     diff = (run["logits"] - expected)[mask.bool()].abs().max().item()
     assert diff < 1e-4, f"max |TP={tp} PP={pp} - HF| logit {diff:.2e}"
+    if pp == 1:  # the attention keeps no [s, s] tensor (rltools/train/megatron/attention.py)
+        ratio = run["attention_memory"]
+        print(f"TP={tp}: fwd+bwd peak memory at 4x the sequence: {ratio:.2f}x")
+        assert ratio <= 5, f"fwd+bwd peak memory at 4x the sequence: {ratio:.2f}x"
     base = {n: t for n, t in hf.state_dict().items() if n != "lm_head.weight"}  # tied: vLLM needs no lm_head
     assert run["base_weights"].keys() == base.keys()
     assert all(torch.equal(run["base_weights"][n], base[n]) for n in base)

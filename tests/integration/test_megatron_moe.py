@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp:
     from rltools.train.megatron.trainer import MegatronTrainer
     from tests.megatron_cpu import megatron_on_cpu
 
-    from .test_megatron import _logits
+    from .test_megatron import _logits, attention_memory_ratio
 
     torch.set_num_threads(1)
     if world > 1:
@@ -81,6 +81,8 @@ def _worker(rank: int, world: int, port: int, model_path: str, run_dir: str, tp:
             load_adapter(policy, torch.load(f"{run_dir}/adapter.pt"))
             result = {"base_logits": base_logits, "logits": _logits(policy, _ids()),
                       "adapted": {name: t.clone() for name, t in m_weights(policy, modules=with_fused_partners(TARGETS))}}
+            if world == 1:
+                result["attention_memory"] = attention_memory_ratio(policy, vocab=100)
         else:  # "train", or "replay": routing replay (and gradient checkpointing) on routed rollouts
             replay = mode == "replay"
             load_adapter(policy, torch.load(f"{run_dir}/initial_adapter.pt"))
@@ -278,6 +280,10 @@ def test_logits_equal_transformers_and_peft(layout, runs, reference):
     assert (run["base_logits"][real] - reference["base_logits"][real]).abs().max() < 1e-4
     assert (run["logits"][real] - reference["logits"][real]).abs().max() < 1e-4
     assert (run["logits"] - run["base_logits"]).abs().max() > 1e-2  # the adapters count
+    if layout == "ep1":  # MLA's attention keeps no [s, s] tensor (rltools/train/megatron/attention.py)
+        ratio = run["attention_memory"]
+        print(f"EP 1: fwd+bwd peak memory at 4x the sequence: {ratio:.2f}x")
+        assert ratio <= 5, f"fwd+bwd peak memory at 4x the sequence: {ratio:.2f}x"
 
 
 @pytest.mark.parametrize("layout", SHIPPED)

@@ -1,6 +1,7 @@
-"""megatron-core's GPTModel for an HF config: its TransformerConfig and layer spec (the local spec, no
-Transformer Engine), for a Llama-family model or a DeepSeek-V3 one (megatron's MLA attention and MoE
-layers), and the mends megatron-core 0.16.1 needs to build the latter without Transformer Engine."""
+"""megatron-core's GPTModel for an HF config: its TransformerConfig and layer spec (the local spec,
+with a core attention whose memory is linear in the sequence: `attention.py`), for a Llama-family
+model or a DeepSeek-V3 one (megatron's MLA attention and MoE layers), and the mends megatron-core
+0.16.1 needs to build the latter without Transformer Engine."""
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from .attention import core_attention
 
     shape = convert.Shape.from_hf(hf)
     common = dict(
@@ -62,14 +65,14 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
                                                              normalization="RMSNorm"))
         if packed_experts:
             pack_expert_specs(spec)
-        core_attention = _mla_core_attention()
         for layer_spec in spec.layer_specs:
             attention = layer_spec.submodules.self_attention.submodules
-            attention.core_attention = core_attention
+            attention.core_attention = core_attention(dtype)
             attention.linear_q_down_proj = attention.linear_kv_down_proj = _replicated_linear()
     else:
         config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = core_attention(dtype)
     gpt = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
@@ -176,21 +179,6 @@ class _FrozenRMSNorm:
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_) -> nn.Module:
         return nn.RMSNorm(hidden_size, eps=eps)
-
-
-def _mla_core_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class MLADotProductAttention(DotProductAttention):
-        """megatron's local attention for MLA, whose keys (qk head dim) are wider than its values
-        (`kv_channels`): MLA passes both widths, which the local module (0.16.1) does not take;
-        it computes with any key width, and its output width is the values'."""
-
-        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-            assert v_channels in (None, self.config.kv_channels), (v_channels, self.config.kv_channels)
-
-    return MLADotProductAttention
 
 
 def _output_needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ Invariants:
   so no rank holds the whole model;
   `export_adapter` yields the same PEFT names
   (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) as the FSDP2 backend.
+- Inside the GPTModel every row has its real tokens first, in order, and its padding after them
+  (`forward` reorders them, and the routes of routing replay, and puts the logits back): causal
+  masking is then the whole attention mask, and no [B, S, S] mask exists (attention.py).
 - A tied embedding is untied when the pipeline has more than one stage: the last stage loads its
   own copy of it as the output layer. Both stay equal because the base model is frozen.
 - Collectives: building, exporting and `adapter_state` are collective over the trainer ranks;
@@ -62,6 +65,15 @@ def _linears(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         module = getattr(_submodule(layer, parent), leaf, None)
         if module is not None:
             yield path, module
+
+
+def _real_first(key_mask: torch.Tensor) -> torch.Tensor | None:
+    """The order [B, S] that moves each row's real tokens (`key_mask` 1) before its padding, each
+    group in its own order; None when every row is already so (no padding before a real token)."""
+    pad = ~key_mask.bool()
+    if not (pad[:, :-1] & ~pad[:, 1:]).any():
+        return None
+    return torch.sort(pad.to(torch.uint8), dim=1, stable=True).indices
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
@@ -126,27 +138,35 @@ class MegatronPolicy(nn.Module):
         extra = -width % self.config.tensor_model_parallel_size if self.config.sequence_parallel else 0
         if extra:  # right padding to a multiple of TP, masked, cut off the logits
             input_ids, key_mask = (nn.functional.pad(t, (0, extra)) for t in (input_ids, key_mask))
+        order = _real_first(key_mask)  # real tokens first (module docstring): token i sits at position i
+        if order is not None:
+            input_ids = input_ids.gather(1, order)
         if self.moe_layers:
-            set_routes(self.gpt, None if routes is None else self._as_routed(routes, extra), self.moe_layers,
+            set_routes(self.gpt, None if routes is None else self._as_routed(routes, extra, order), self.moe_layers,
                        recompute=self.recompute)
-        positions = (key_mask.cumsum(1) - 1).clamp(min=0)
-        length = input_ids.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
-        masked = causal[None, None] | ~key_mask.bool()[:, None, None, :]  # True = not attended
-        out = self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=masked)
-        return out[:, :width] if self.gpt.post_process else out
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        out = self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=None)
+        if not self.gpt.post_process:
+            return out
+        if order is None:
+            return out[:, :width]
+        unpacked = order.argsort(dim=1)[:, :width]  # where each original token sits in its packed row
+        return out.gather(1, unpacked[..., None].expand(-1, -1, out.shape[-1]))
 
-    def _as_routed(self, routes: torch.Tensor, extra: int) -> torch.Tensor:
+    def _as_routed(self, routes: torch.Tensor, extra: int, order: torch.Tensor | None) -> torch.Tensor:
         """[B, S, MoE layers, k] -> [tokens, MoE layers, k] in the order this rank's routers see the
-        tokens: sequence-major, padded like the sequence (with experts 0..k-1), this rank's part of
-        it under sequence parallelism."""
+        tokens: packed like the rows (`order`), sequence-major, padded like the sequence (with
+        experts 0..k-1), this rank's part of it under sequence parallelism."""
         moe = len(self.shape.moe_layers)
         if routes.shape[2] != moe:
             raise ValueError(f"routing replay: the rollouts route {routes.shape[2]} MoE layers, the model has {moe}: "
                              "generator and trainer serve different models (model.path)")
         filler = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device).expand(
             routes.shape[0], extra, *routes.shape[2:])
-        routes = torch.cat([routes, filler], dim=1).transpose(0, 1)
+        routes = torch.cat([routes, filler], dim=1)
+        if order is not None:
+            routes = routes.gather(1, order[:, :, None, None].expand_as(routes))
+        routes = routes.transpose(0, 1)
         if self.config.sequence_parallel:
             rank, size = tp_rank_size()
             routes = routes.chunk(size, dim=0)[rank]
