@@ -56,3 +56,42 @@ class ShardWriter:
             save_file(self.batch, str(path), metadata={"format": "pt"})
             self.written.append((path, list(self.batch)))
         self.batch, self.size = {}, 0
+
+
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2"}
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """name -> {dtype, shape, data_offsets (absolute in the file)} of one safetensors file."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    for entry in header.values():
+        entry["data_offsets"] = [8 + size + offset for offset in entry["data_offsets"]]
+    return header
+
+
+def read_rows(path: Path, entry: dict, lo: int, hi: int | None) -> "torch.Tensor":
+    """Rows lo..hi (dim 0; a scalar: itself) of one tensor of a safetensors file, read with one pread
+    into a fresh tensor: no memory map, so a rank's memory holds the bytes it asked for and no page of
+    the file beyond them (a mapped file's pages count in the process's resident memory)."""
+    import torch
+
+    dtype = getattr(torch, _DTYPES[entry["dtype"]])
+    shape, (begin, end) = entry["shape"], entry["data_offsets"]
+    rows = shape[0] if shape else 1
+    hi = rows if hi is None else min(hi, rows)
+    row_bytes = (end - begin) // rows if rows else 0
+    out = torch.empty((hi - lo) * row_bytes, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(begin + lo * row_bytes)
+        view, done = memoryview(out.numpy()), 0
+        while done < len(view):
+            count = f.readinto(view[done:])
+            if not count:
+                raise ValueError(f"{path}: truncated: the header places {entry} past the end of the file")
+            done += count
+    return out.view(dtype).reshape(hi - lo, *shape[1:]) if shape else out.view(dtype).reshape(())

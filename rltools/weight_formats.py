@@ -116,7 +116,13 @@ class LoraAdapter(WeightFormat):
     def engine_args(self) -> dict:
         # vLLM sizes its LoRA buffers for one of a few ranks and refuses any other value
         fits = [rank for rank in VLLM_LORA_RANKS if rank >= self.lora.rank] or [self.lora.rank]
-        return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+        # Without lora_target_modules vLLM wraps every layer it can (each routed expert of every MoE
+        # layer too) and gives each max_loras A/B buffers: GiBs a GPU that no adapter uses. With them
+        # it wraps a module whose name ends in a target, and a fused layer (qkv_proj, gate_up_proj,
+        # fused_qkv_a_proj) when a target is one of its parts (its model's packed_modules_mapping):
+        # the peft names are what vLLM 0.32 expects (vllm/lora/utils.py: is_in_target_modules).
+        return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1,
+                "lora_target_modules": list(self.lora.target_modules)}
 
     def apply(self, worker, tensors: Iterable, adapter_dir: Path) -> None:
         # One writer for every engine and TP worker (they share the filesystem), done before it

@@ -24,7 +24,10 @@ def run_role(role: str, argv: list[str]) -> int:
     logging.getLogger("rltools").info("%s starting in %s (pid %d)", role, argv[0], os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars in a log file
-    if role == "generator" and "RLTOOLS_ENGINE_RESTART" not in os.environ:
+    engine = "RLTOOLS_ENGINE_RESTART" in os.environ  # a generator's engine: its supervisor checked the model
+    if not engine and not check_model_first(role, argv[0]):
+        return 2
+    if role == "generator" and not engine:
         from rltools.generate.supervisor import supervise  # it starts this module again as the engine
 
         return supervise(argv[0])
@@ -48,6 +51,24 @@ def run_role(role: str, argv: list[str]) -> int:
               "from the last checkpoint", file=sys.stderr, flush=True)
         logging.getLogger("rltools").debug("traceback", exc_info=True)
         return 1
+
+
+def check_model_first(role: str, run_dir: str) -> bool:
+    """`submit`'s checks of model.path, again, before the role imports torch or loads anything: under
+    Slurm `submit` skips them when the login node does not see model.path (node-local scratch, a
+    filesystem of the compute nodes), and a bad model would otherwise fail minutes later, deep inside
+    the loading or out of memory. Prints the same message as `submit` would; False when it failed."""
+    from rltools.config import load_config
+    from rltools.errors import UserError
+    from rltools.launch.preflight import check_model
+    from rltools.paths import RunPaths
+
+    try:
+        check_model(load_config(RunPaths(run_dir).config))
+    except UserError as err:
+        print(f"error: {role}: {err}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def describe_os_error(err: OSError) -> str:

@@ -21,6 +21,7 @@ from .model_size import (
     Shape,
     Weights,
     lora_params,
+    vllm_lora_bytes,
     weights_from_config,
     weights_from_headers,
 )
@@ -61,7 +62,7 @@ class Estimate:
         shown = ", ".join(f"{what} {size(b)}" for what, b in self.parts if b)
         lines = [f"    {self.role}: {size(self.total)} ({shown}; {self.detail})"]
         if self.export > self.total:
-            lines.append(f"      weight export: {size(self.export)} (every trainer rank gathers the weights it sends; "
+            lines.append(f"      weight export: {size(self.export)} (every trainer rank gathers the weights it sends, a layer at a time; "
                          "generator.weight_sync: lora sends only the adapter)")
         if self.capacity is None:
             return lines
@@ -141,10 +142,10 @@ def trainer_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: i
     gc = "with" if t.gradient_checkpointing else "without"
     detail = (f"{count(weights.params)} params from {weights.source}, {how}; micro batch {micro} x "
               f"({prompt} prompt + {new} new) tokens, {gc} gradient checkpointing")
-    # FSDP2 gathers the tensors it sends before sending any: the adapter (lora), every weight (full),
-    # the adapted layers (adapted: bounded here by every weight)
+    # FSDP2 gathers the adapter whole (lora); full and adapted stream one decoder layer at a time,
+    # whole and dequantised to model.dtype (adapted: bounded here by the layer)
     adapter_only = not weight_format(config).dense  # vLLM serves the adapter itself (weight_sync: lora)
-    sent = lora_params(shape, lora.target_modules, lora.rank) * 4 if adapter_only else weights.total
+    sent = lora_params(shape, lora.target_modules, lora.rank) * 4 if adapter_only else shape.largest_layer_params() * dtype
     export = base + state[1] + sent + overhead if t.backend == "fsdp2" and ranks > 1 else 0.0
     return Estimate("trainer rank", parts, detail, _gpu(config, "trainers"), export=export)
 
@@ -189,8 +190,7 @@ def generator_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt:
     seqs = min(math.ceil(s.prompts_per_step / gens.ntasks) * s.group_size, max_seqs)
     seq_len = prompt + new
     kv = seqs * seq_len * per_token if g.kv_cache_memory_bytes is None else g.kv_cache_memory_bytes
-    lora = lora_params(shape, config.lora.target_modules, config.lora.rank) * dtype / tp \
-        if not weight_format(config).dense else 0.0  # the adapter beside the weights (weight_sync: lora)
+    lora = _vllm_lora(config, shape)
     sampler = max_seqs * shape.vocab * 4 * 2  # float32 logits and probabilities of a full batch
     overhead = OVERHEAD + sampler if gens.gpus_per_node else sampler
     parts = [("weights", weights.total / tp), ("LoRA", lora), ("KV cache", kv), ("overhead", overhead)]
@@ -204,6 +204,16 @@ def generator_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt:
                  "(slower, not an error)")
     role = f"generator GPU ({g.gpu_memory_utilization:.0%} of it: gpu_memory_utilization)" if gpu else "generator"
     return Estimate(role, parts, detail, capacity, floor, shortfall)
+
+
+def _vllm_lora(config: RLConfig, shape: Shape) -> float:
+    """vLLM's LoRA buffers on one generator GPU, for the engine arguments the run's weight format
+    starts it with (weight_sync: lora; none for the formats that load merged weights)."""
+    args = weight_format(config).engine_args()
+    if not args.get("enable_lora"):
+        return 0.0
+    return vllm_lora_bytes(shape, args["lora_target_modules"], args["max_lora_rank"], args["max_loras"],
+                           config.generator.tensor_parallel_size, DTYPE_BYTES[config.model.dtype])
 
 
 def _estimate_or_none(config: RLConfig, model_config: dict) -> list[Estimate] | None:

@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..fused_layers import FUSED
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVFP4_BYTES = 9 / 16  # a 4-bit value plus one FP8 scale per 16 values (a float32 global scale per tensor: noise)
 STORED_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "I16": 2,
@@ -117,6 +119,23 @@ class Shape:
             active += size * self.top_k // self.experts if x.expert else size
         return total, active
 
+    def largest_layer_params(self) -> int:
+        """The parameters of the biggest decoder layer (an MoE layer: every routed expert), or of the
+        embedding when it is bigger: what FSDP2's streaming export holds whole at once."""
+        h, L = self.hidden, self.layers
+        per_layer = {"dense": 0, "moe": 0}
+        for x in self.linears():
+            size = x.fan_in * x.fan_out
+            if x.count == L:  # attention: in every layer
+                per_layer["dense"] += size
+                per_layer["moe"] += size
+            elif x.expert or x.count == self.moe_layers:  # routed experts, shared experts, router
+                per_layer["moe"] += size * x.count // self.moe_layers
+            else:  # the dense layers' MLP
+                per_layer["dense"] += size
+        return max(per_layer["moe"] if self.moe_layers else 0, per_layer["dense"] if L > self.moe_layers else 0,
+                   self.vocab * h)
+
     def kv_elements(self, vllm: bool) -> int:
         """KV-cache values per token and layer: vLLM keeps MLA's compressed latent (kv_lora_rank +
         qk_rope_head_dim, shared by all heads); Hugging Face's cache (the trainer's) keeps the
@@ -126,11 +145,16 @@ class Shape:
         return 2 * self.kv_heads * self.head_dim
 
     def saved_elements(self) -> float:
-        """Values one decoder layer keeps for backward per token, averaged over the layers, with a
-        memory-efficient attention (no s x s scores) and no dropout: the two norms' inputs, the
-        attention's input, queries, keys, values and output, the MLP's input and intermediates
-        (SwiGLU: gate, up, silu(gate), their product). Korthikanti et al. 2022's 34 s b h bytes for
-        GPT is this count in 16 bits (32 s b h) plus two 1-byte dropout masks."""
+        """Values one decoder layer keeps for backward per token, averaged over the layers, with no
+        dropout: the two norms' inputs, the attention's input, queries, keys, values and output, the
+        MLP's input and intermediates (SwiGLU: gate, up, silu(gate), their product). Korthikanti et
+        al. 2022's 34 s b h bytes for GPT is this count in 16 bits (32 s b h) plus two 1-byte dropout
+        masks. No s x s scores: the Megatron backend's core attention (train/megatron/attention.py,
+        torch's scaled_dot_product_attention) keeps q, k, v, its output and a float32 log-sum-exp
+        per head (left out: < 0.5%); measured on its layers (float32, LoRA on every projection), the
+        q, k, v and output it keeps are those counted here (on CPU, MLA's values and output are
+        padded to the key width). transformers' sdpa (FSDP2) keeps the same where a fused kernel
+        serves it."""
         h, n = self.hidden, self.heads
         if self.mla:
             qk = self.qk_nope + self.qk_rope
@@ -243,3 +267,45 @@ def lora_params(shape: Shape, targets: list[str], rank: int) -> int:
     total = sum(rank * (x.fan_in + x.fan_out) * x.count for x in shape.linears() if x.name in targets and not x.expert)
     edge = rank * (shape.vocab + shape.hidden)
     return total + edge * (("lm_head" in targets) + ("embed_tokens" in targets))
+
+
+# How vLLM 0.32 splits each layer over its TP ranks: row-parallel layers split their input, the
+# MLA down-projections (and the router) are replicated, every other linear splits its output.
+VLLM_ROW_PARALLEL = ("o_proj", "down_proj")
+VLLM_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "gate")
+
+
+def vllm_lora_bytes(shape: Shape, targets: list[str], max_rank: int, max_loras: int, tp: int, dtype_bytes: int) -> int:
+    """What vLLM allocates on each GPU for LoRA (enable_lora with lora_target_modules = `targets`),
+    as its LoRA layers do (vllm/lora/layers/base_linear.py, column_parallel_linear.py): a wrapped
+    layer holds, per slice (each part of a fused layer: q, k, v of qkv_proj; gate, up), A of
+    max_loras x max_rank x its input and B of max_loras x its output x max_rank, in the model's dtype,
+    for every part of a fused layer as soon as one part is a target. Column-parallel layers keep the
+    whole input and 1/TP of the output, row-parallel ones the reverse, replicated ones both whole.
+    Routed experts are never wrapped (no target names them: vLLM calls them experts.N.gate_proj)."""
+    linears = [x for x in shape.linears() if not x.expert]
+    wrapped = {x.name for x in linears if any(x.name in _fused_with(t) for t in targets)}
+    elements = 0
+    for x in linears:
+        if x.name in wrapped:
+            fan_in, fan_out = _vllm_local(shape, x, tp)
+            elements += x.count * max_rank * (fan_in + fan_out)
+    edge = max_rank * (shape.vocab + shape.hidden)  # embeddings and head: whole on every rank
+    elements += edge * (("lm_head" in targets) + ("embed_tokens" in targets))
+    return elements * max_loras * dtype_bytes
+
+
+def _fused_with(name: str) -> tuple[str, ...]:
+    """`name` and the projections vLLM fuses it with into one layer."""
+    return next((group for group in FUSED if name in group), (name,))
+
+
+def _vllm_local(shape: Shape, x: Linear, tp: int) -> tuple[int, int]:
+    """(input, output) of linear `x` on one of vLLM's TP ranks."""
+    if x.name in VLLM_ROW_PARALLEL:
+        return math.ceil(x.fan_in / tp), x.fan_out
+    if x.name in VLLM_REPLICATED:
+        return x.fan_in, x.fan_out
+    if x.name in ("k_proj", "v_proj"):  # KV heads are replicated when fewer than the ranks
+        return x.fan_in, math.ceil(shape.kv_heads / tp) * shape.head_dim
+    return x.fan_in, math.ceil(x.fan_out / tp)

@@ -3,7 +3,9 @@
 Invariant: light (no torch, no vLLM: it runs on a login node); every failure is a UserError that
 names the key and the file and says what to change. It reads the model directory's file list and
 config.json and the tensor names in its weight files' headers (not the tensors), and parses the
-data files the roles will read (problems, keys, answers, templates).
+data files the roles will read (problems, keys, answers, templates). The checks that read the model
+(`check_model`) also run in every role's first seconds (`rltools.jobs.common`): under Slurm
+`submit` skips them when model.path is not visible from the login node.
 """
 
 import json
@@ -25,16 +27,46 @@ def preflight(config: RLConfig) -> list[str]:
     refused: the job's nodes may see it. A path that is here and wrong is always refused."""
     hidden = [(key, path) for key, path in _paths(config) if not Path(path).exists()] \
         if config.cluster.launcher == "slurm" else []  # the local launcher runs here: a missing path is an error
-    notes = [f"{key} {path} is not visible from this node: not checked here (the job's nodes must see it)"
+    notes = [f"{key} {path} is not visible from this node: not checked here (the job's nodes must see it"
+             + ("; each role checks it first thing, before it loads the model)" if key == "model.path" else ")")
              for key, path in hidden]
+    check_nvfp4_serving(config)
     if ("model.path", config.model.path) not in hidden:
-        model_config = check_model_dir(Path(config.model.path))
-        check_lora_targets(config, model_config)
-        check_routing_replay(config, model_config)
-        check_cpu_mla(config, model_config)
-        check_memory(config, model_config)
+        check_model(config)
     check_data(config, skip={path for _, path in hidden})
     return notes
+
+
+def check_model(config: RLConfig) -> dict:
+    """Every check that reads model.path (its files, its config.json, its weights' headers); returns
+    its config.json. `preflight` runs it where model.path is visible; each role runs it again first
+    thing in the job (`rltools.jobs.common`), before it loads anything large."""
+    model_config = check_model_dir(Path(config.model.path))
+    check_lora_targets(config, model_config)
+    check_routing_replay(config, model_config)
+    check_cpu_mla(config, model_config)
+    check_memory(config, model_config)
+    return model_config
+
+
+def check_nvfp4_serving(config: RLConfig) -> None:
+    """On GPUs vLLM serves an NVFP4 base as packed FP4 layers, which cannot load the dense merged
+    weights of an `adapted` or `full` sync (`quant.serving`): refused here, before the queue, rather
+    than by every generator once the allocation is granted. Reads the run config alone."""
+    if not (_packed_fp4_generators(config) and weight_format(config).dense):
+        return
+    raise UserError(
+        f"generator.weight_sync: {config.generator.weight_sync} with model.quantization: nvfp4 on GPU generators "
+        f"(cluster.generators.gpus_per_node: {config.cluster.generators.gpus_per_node}): vLLM serves the base as "
+        "packed FP4 layers, which cannot load the dense merged weights that sync sends. Set generator.weight_sync: "
+        "lora (only the adapters travel; vLLM applies them over the packed base), or model.quantization: none to "
+        "serve the base unquantised")
+
+
+def _packed_fp4_generators(config: RLConfig) -> bool:
+    """Whether the generators keep the base packed in FP4 (an NVFP4 base on GPUs; on CPU they serve a
+    dequantised copy), so that no dense weight sync can load into it."""
+    return config.model.quantization == "nvfp4" and not _cpu_generators(config)
 
 
 def _paths(config: RLConfig) -> list[tuple[str, str]]:
@@ -84,12 +116,18 @@ def check_lora_targets(config: RLConfig, model_config: dict) -> None:
             f"{', '.join(sorted(modules))}")
     unserved = unserved_lora_targets(config.lora.target_modules, model_config)
     if unserved and not weight_format(config).dense:
+        names = ", ".join(unserved)
+        if _packed_fp4_generators(config):  # adapted/full would be refused there (check_nvfp4_serving)
+            way_out = (f"Drop {names} from lora.target_modules (generator.weight_sync: adapted or full, which would "
+                       "serve it, cannot load dense weights into the packed FP4 layers of model.quantization: "
+                       "nvfp4 on GPU generators)")
+        else:
+            way_out = (f"Drop {names} from lora.target_modules, or set generator.weight_sync: adapted (or full), "
+                       "which send the adapted layers merged and load them in place")
         raise UserError(
-            f"lora.target_modules: vLLM does not apply LoRA to {', '.join(unserved)} of an MLA model "
-            f"({config.model.path}: it splits that projection at load time for its decode path; vLLM issue "
-            "#48974), so with generator.weight_sync: lora the generators would sample another policy than the "
-            f"one trained. Drop {', '.join(unserved)} from lora.target_modules, or set generator.weight_sync: "
-            "adapted (or full), which send the adapted layers merged and load them in place")
+            f"lora.target_modules: vLLM does not apply LoRA to {names} of an MLA model ({config.model.path}: it "
+            "splits that projection at load time for its decode path; vLLM issue #48974), so with "
+            f"generator.weight_sync: lora the generators would sample another policy than the one trained. {way_out}")
     if is_moe(model_config) and _cpu_generators(config) and not weight_format(config).dense:  # vLLM's LoRA layers
         raise UserError(
             f"generator.weight_sync: lora on CPU generators cannot serve {config.model.path}: vLLM's LoRA layer for "

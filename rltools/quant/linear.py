@@ -1,7 +1,7 @@
 """NVFP4Linear: a frozen linear layer that keeps its weight packed (4.5 bits per parameter) and
 dequantises it on the fly in forward; NVFP4Experts, the same for a MoE layer's routed experts;
-FP8Linear, the same for an FP8 weight (the other linears of the mixed MoE layout); and the loading
-of an HF model with such layers.
+FP8Linear, the same for an FP8 weight (the other linears of the mixed MoE layout); and the swap of
+an HF model's layers for them (on the meta device: `train.model.load_policy` fills them).
 
 Invariants:
 - The packed weight and block scales are frozen parameters (requires_grad False: no gradient, not
@@ -143,46 +143,8 @@ class NVFP4Experts(nn.Module):
         return f"num_experts={self.num_experts}, nvfp4"
 
 
-def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names (`...experts.3.gate_proj.weight_packed`) -> NVFP4Experts' stacked tensors
-    (`...experts.gate_proj_weight_packed`, row 3); other tensors unchanged."""
-    out, rows = {}, {}
-    for name, tensor in state.items():
-        match = _PER_EXPERT.fullmatch(name)
-        if match is None:
-            out[name] = tensor
-            continue
-        prefix, expert, projection, leaf = match.groups()
-        rows.setdefault(f"{prefix}.{projection}_{leaf}", {})[int(expert)] = tensor
-    for name, by_expert in rows.items():
-        if sorted(by_expert) != list(range(len(by_expert))):
-            raise ValueError(f"{name}: the checkpoint holds experts {sorted(by_expert)}, not 0..{len(by_expert) - 1}")
-        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
-    return _fused_dense_experts(out)
-
-
-_DENSE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def _fused_dense_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Routed experts kept dense (`rltools quantize --ignore`) in the layout transformers holds them:
-    `experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `experts.down_proj` [E, H, I]."""
-    out, experts = {}, {}
-    for name, tensor in state.items():
-        match = _DENSE_EXPERT.fullmatch(name)
-        if match is None:
-            out[name] = tensor
-        else:
-            experts.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = tensor
-    for prefix, parts in experts.items():
-        count = 1 + max(expert for expert, _ in parts)
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
-    return out
-
-
 def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `stack_experts`: NVFP4Experts' tensors under the checkpoint's per-expert names."""
+    """NVFP4Experts' stacked tensors under the checkpoint's per-expert names (`...experts.3.gate_proj.weight_packed`)."""
     out = {}
     for name, tensor in state.items():
         match = _STACKED.fullmatch(name)
@@ -199,49 +161,31 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-def load_nvfp4_model(model_path: str, dtype: torch.dtype) -> nn.Module:
-    """The HF causal LM of `model_path` with its quantised linears as NVFP4Linear (the checkpoint's,
-    or quantised now if `model_path` is a plain checkpoint: see `checkpoint.load_nvfp4_state`)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .nvfp4_checkpoint import load_nvfp4_state
-
-    state = dict(load_nvfp4_state(model_path))
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # we load the packed tensors ourselves; transformers must not
-    with init_empty_weights():  # parameters on the meta device (no dense base in memory), buffers real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = stack_experts(state)
-    for name in {match.group(1) for match in map(_STACKED.fullmatch, state) if match}:
+def swap_quantized_layers(model: nn.Module, layout: dict[str, torch.dtype | None], model_path: str) -> None:
+    """Replace, in `model` (built on the meta device), each linear that `layout` (checkpoint name ->
+    stored dtype where it matters, `ShardReader.layout`) holds quantised by an NVFP4Linear or FP8Linear,
+    and each MoE layer's routed experts held as NVFP4 triples by NVFP4Experts; all on the meta device,
+    to be filled from the checkpoint (`train.model.materialize`). The base is frozen."""
+    expert_layers = {match.group(1) for match in map(_PER_EXPERT.fullmatch, layout) if match}
+    for name in expert_layers:
         parent, _, leaf = name.rpartition(".")
         old = model.get_submodule(name)
         if getattr(old, "gate_up_proj", None) is None or old.gate_up_proj.dim() != 3:
             raise ValueError(f"{model_path}: {name} holds NVFP4 routed experts, but the model's {type(old).__name__} "
                              "is not laid out as transformers' DeepseekV3Experts (gate_up_proj [E, 2I, H])")
         experts, double, hidden = old.gate_up_proj.shape
-        setattr(model.get_submodule(parent), leaf, NVFP4Experts(experts, hidden, double // 2, old.act_fn))
-    layer_types = {name.rsplit(".", 1)[0]: NVFP4Linear for name in state if name.endswith(".weight_packed")}
-    layer_types.update({name.rsplit(".", 1)[0]: FP8Linear for name, t in state.items()
-                        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn})
+        setattr(model.get_submodule(parent), leaf, NVFP4Experts(experts, hidden, double // 2, old.act_fn, device="meta"))
+    layer_types = {name.rsplit(".", 1)[0]: NVFP4Linear for name in layout
+                   if name.endswith(".weight_packed") and not _PER_EXPERT.fullmatch(name)}
+    layer_types.update({name.rsplit(".", 1)[0]: FP8Linear for name, dtype in layout.items()
+                        if name.endswith(".weight") and dtype == torch.float8_e4m3fn})
     for name, layer_type in layer_types.items():
         parent, _, leaf = name.rpartition(".")
         old = model.get_submodule(name)
-        setattr(model.get_submodule(parent), leaf, layer_type(old.in_features, old.out_features, old.bias is not None, dtype=dtype))
-    dense = {n: (t if n.endswith(QUANT_SUFFIXES) or t.dtype == torch.float8_e4m3fn else t.to(dtype))
-             for n, t in state.items()}
-    missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
-    if unexpected or [m for m in missing if not _tied(model, m)]:
-        raise ValueError(f"{model_path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    assert not any(p.is_meta for p in model.parameters()), "a parameter was left on the meta device"
+        dtype = old.weight.dtype
+        setattr(model.get_submodule(parent), leaf,
+                layer_type(old.in_features, old.out_features, old.bias is not None, device="meta", dtype=dtype))
     model.requires_grad_(False)  # the base is frozen: LoRA adapters (added after) are the only trainables
-    return model
-
-
-def _tied(model: nn.Module, name: str) -> bool:
-    return name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
 
 
 def lora_custom_modules() -> dict:

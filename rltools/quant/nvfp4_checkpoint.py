@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from ..safetensors_shards import INDEX as _INDEX
-from ..safetensors_shards import ShardWriter
+from ..safetensors_shards import ShardWriter, read_header, read_rows
 from .fp8 import dequantize_fp8, quantize_fp8
 from .layout import (
     QUANT_SUFFIXES,
@@ -47,6 +47,7 @@ class Source:
             raise ValueError(f"{self.dir}: no *.safetensors files (rltools reads safetensors checkpoints only)")
         self._handles = [safe_open(str(self.dir / f), framework="pt") for f in files]
         self._where = {name: h for h in self._handles for name in h.keys()}
+        self._entries = {name: (self.dir / f, entry) for f in files for name, entry in read_header(self.dir / f).items()}
         self.config = json.loads((self.dir / "config.json").read_text())
 
     def names(self) -> list[str]:
@@ -57,6 +58,14 @@ class Source:
 
     def get(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
+
+    def rows(self, name: str, lo: int, hi: int | None) -> torch.Tensor:
+        """Rows lo..hi of `name`, reading only those bytes (a scalar: itself), not memory-mapped."""
+        return read_rows(*self._entries[name], lo, hi)
+
+    def stored_dtype(self, name: str) -> str:
+        """safetensors' dtype name of `name` ("BF16", "F8_E4M3", ...), from the file's header."""
+        return self._entries[name][1]["dtype"]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: self.shape(n) for n in self.names()}
@@ -258,5 +267,5 @@ def _numel(shape) -> int:
 
 
 def _itemsize(source: Source, name: str) -> int:
-    dtype = source._where[name].get_slice(name).get_dtype()
+    dtype = source.stored_dtype(name)
     return {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 4)

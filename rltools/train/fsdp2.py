@@ -3,7 +3,7 @@ FSDP2 over two or more trainer ranks; one rank runs it unsharded."""
 
 from . import checkpoints
 from .backend import Backend, Tensors
-from .model import export_adapter, export_weights, load_policy, shard_model
+from .model import export_adapter, export_weights, load_policy
 from .trainer import Trainer
 
 
@@ -12,9 +12,9 @@ class FSDP2Backend(Backend):
 
     @classmethod
     def build(cls, config, env, trainer_args: dict) -> "FSDP2Backend":
-        model = load_policy(config.model, config.lora, config.trainer.gradient_checkpointing).to(trainer_args["device"])
-        if env.world_size > 1:
-            shard_model(model)
+        # Built on the meta device and sharded there: each rank allocates and reads only its shard.
+        model = load_policy(config.model, config.lora, config.trainer.gradient_checkpointing,
+                            device=trainer_args["device"], shard=env.world_size > 1)
         trainer = Trainer(model, config.algorithm, rank=env.rank, world_size=env.world_size, **trainer_args)
         return cls(model, trainer, env.rank)
 

@@ -22,30 +22,49 @@ from torch import nn
 from ..config.schema import LoraConfig, ModelConfig
 from ..fused_layers import module_of
 from ..versions import PEFT, TRANSFORMERS, require_tested
+from .materialize import local_rows, materialize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PEFT_PREFIX = "base_model.model."
 _LORA_WEIGHT = re.compile(r"(.*)\.lora_([AB])\.[^.]+\.weight")
+_LAYER_PREFIX = re.compile(r".*?\.layers\.\d+\.")
 
 
-def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpointing: bool = False) -> nn.Module:
+def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpointing: bool = False, *,
+                device: torch.device | str = "cpu", shard: bool = False) -> nn.Module:
+    """The policy on `device`: built on the meta device, wrapped (LoRA, activation checkpointing),
+    with `shard` sharded by FSDP2 there (`shard_model`, a collective of the trainer ranks), and only
+    then given memory and filled from the checkpoint (`materialize`): no rank ever holds a parameter
+    it does not own."""
     require_tested(TRANSFORMERS, PEFT)  # their private code, reached from here, is listed in rltools/versions.py
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .shard_reader import ShardReader
+
     nvfp4 = model_cfg.quantization == "nvfp4"
     if nvfp4 and not lora_cfg.enabled:
         raise ValueError("model.quantization: nvfp4 freezes the base model; set lora.enabled: true to train adapters")
+    reader = ShardReader(model_cfg.path, quantize=nvfp4)
+    config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the packed tensors are ours to load (a plain model has none)
+    with init_empty_weights():  # parameters on the meta device; buffers real (rotary frequencies)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
     if nvfp4:
-        from ..quant.linear import load_nvfp4_model
+        from ..quant.linear import swap_quantized_layers
 
-        model = load_nvfp4_model(model_cfg.path, DTYPES[model_cfg.dtype])
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=DTYPES[model_cfg.dtype], local_files_only=True)
+        swap_quantized_layers(model, reader.layout(), model_cfg.path)
     model.config.use_cache = False
+    rng = torch.get_rng_state()  # LoRA's initial values are drawn again, whole, once memory exists
     if lora_cfg.enabled:
         model = _with_lora(model, lora_cfg, nvfp4)
     if gradient_checkpointing:
         checkpoint_layers(model)
+    if shard:
+        shard_model(model)
+    torch.set_rng_state(rng)
+    materialize(model, reader, torch.device(device))
     return model
 
 
@@ -149,26 +168,67 @@ def shard_model(model: nn.Module, mesh=None) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def export_weights(model: nn.Module, lora_scale: float | None,
-                   modules: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_weights(model: nn.Module, lora_scale: float | None, modules: frozenset[str] | None = None):
     """(HF name, full tensor) for every weight, LoRA merged in; with `modules`, only the weights of the
     modules so named (`fused_layers.module_of`). Collective under FSDP2: every trainer rank must
     iterate it; the tensors are complete on all of them.
 
-    Gathers the weights it exports at once (every weight: fine for models whose full weights are
-    synced; for very large models sync the LoRA adapters instead); with `modules`, only those.
-    """
+    A `TensorStream`: its specs come from meta tensors (nothing gathered), and the tensors one
+    decoder layer at a time: a layer's weights are gathered, merged and yielded, then dropped before
+    the next layer's are gathered, so no rank holds more than its shard and one layer (the weight
+    sender, given the specs, holds no more either)."""
+    from ..weight_sync import TensorStream
+
     def wanted(name: str) -> bool:
         return modules is None or bool(_LORA_WEIGHT.fullmatch(name)) or module_of(name.replace(".base_layer.", ".")) in modules
 
-    state = _full_state_dict(model, wanted)
+    groups = _layer_groups(model, wanted)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not FP8
+    specs = [(name, t.dtype, tuple(t.shape)) for group in groups
+             for name, t in _exported(model, {n: _on_meta(t) for n, t in group}, lora_scale, dtype)]
+
+    def tensors():
+        for group in groups:
+            exported = _exported(model, {n: _whole(t) for n, t in group}, lora_scale, dtype)
+            exported.reverse()
+            while exported:
+                yield exported.pop()  # the consumer holds what it took; we keep only what it has not
+
+    return TensorStream(specs, tensors())
+
+
+def _layer_groups(model: nn.Module, wanted) -> list[list[tuple[str, torch.Tensor]]]:
+    """The `wanted` tensors of the state dict (clean names, as held: DTensors under FSDP2), grouped by
+    decoder layer (a LoRA pair with its base weight); outside the layers, one tensor a group. A tied
+    output embedding is the input one: the checkpoint (and what loads it) has it once."""
+    groups: dict[str, list] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        name = _clean(name)
+        if wanted(name) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            layer = _LAYER_PREFIX.match(name)
+            groups.setdefault(layer.group(0) if layer else _module(name), []).append((name, tensor))
+    return list(groups.values())
+
+
+def _module(name: str) -> str:
+    """The module a parameter belongs to, LoRA's matrices and the base layer they adapt alike."""
+    match = _LORA_WEIGHT.fullmatch(name)
+    if match:
+        return match.group(1)
+    return name.split(".base_layer.")[0] if ".base_layer." in name else name.rsplit(".", 1)[0]
+
+
+def _exported(model: nn.Module, state: dict[str, torch.Tensor], lora_scale: float | None,
+              dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """One group's tensors (whole, or meta for their specs) as exported: NVFP4 and FP8 weights
+    dequantised to `dtype`, LoRA deltas merged, under the checkpoint's names and layout."""
     if any(tensor.dtype == torch.float8_e4m3fn for tensor in state.values()):  # NVFP4 block scales, FP8 weights
         from ..quant.linear import unstack_experts
         from ..quant.nvfp4_checkpoint import dequantized_state
 
         state = unstack_experts(state)  # packed routed experts: one triple per expert, as stored
-
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not FP8
         state = dict(dequantized_state(iter(state.items()), dtype))
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
@@ -176,17 +236,25 @@ def export_weights(model: nn.Module, lora_scale: float | None,
         if match:
             adapters.setdefault(match.group(1), {})[match.group(2)] = tensor
     merged = {}
-    for name, tensor in state.items():
+    for name in list(state):
+        tensor = state.pop(name)  # each gathered weight is dropped once merged: a layer and one weight at most
         if _LORA_WEIGHT.fullmatch(name):
             continue
         if ".base_layer." in name:
             stem, leaf = name.rsplit(".base_layer.", 1)
             pair = adapters.get(stem)
-            if pair and leaf == "weight" and lora_scale is not None:
-                delta = pair["B"].float() @ pair["A"].float()
-                tensor = (tensor.float() + lora_scale * delta).to(tensor.dtype)
+            if pair and leaf == "weight" and lora_scale is not None:  # W + scale * B @ A, in float32
+                tensor = torch.addmm(tensor.float(), pair["B"].float(), pair["A"].float(), alpha=lora_scale).to(tensor.dtype)
         merged[name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
-    yield from checkpoint_layout(model, merged).items()
+    return list(checkpoint_layout(model, merged).items())
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # a DTensor's shape is the whole one
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (_gather(tensor) if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
 def checkpoint_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -224,14 +292,35 @@ def _full_state_dict(model: nn.Module, wanted=lambda name: True) -> dict[str, to
 
 
 def _gather(tensor) -> torch.Tensor:
-    """All-gather a DTensor; FP8 ones (NVFP4 block scales) travel as bytes, which gloo can carry."""
+    """All-gather a DTensor (FSDP2: sharded on dim 0) into a new whole tensor. FP8 ones (NVFP4 block
+    scales) travel as bytes, which gloo can carry. Gloo's all-gather keeps a flat copy of its whole
+    output besides the output (twice the tensor for a moment: the embedding of a large vocabulary),
+    so on gloo each rank broadcasts its rows into place instead; NCCL's writes into the output."""
+    import torch.distributed as dist
+
+    group = tensor.device_mesh.get_group()
+    if dist.get_backend(group) == "gloo":
+        whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        local, lo, hi = local_rows(tensor)
+        chunk = -(-tensor.shape[0] // group.size())
+        for rank in range(group.size()):
+            rows = whole[rank * chunk:(rank + 1) * chunk]
+            if rows.numel():
+                if (rank * chunk, rank * chunk + rows.shape[0]) == (lo, hi):
+                    rows.copy_(local)
+                dist.broadcast(_wire(rows), src=dist.get_global_rank(group, rank), group=group)
+        return whole
     if tensor.element_size() != 1 or tensor.dtype == torch.uint8:
         return tensor.full_tensor()
     from torch.distributed.tensor import DTensor
 
-    as_bytes = DTensor.from_local(tensor.to_local().view(torch.uint8), tensor.device_mesh, tensor.placements,
+    as_bytes = DTensor.from_local(_wire(tensor.to_local()), tensor.device_mesh, tensor.placements,
                                   shape=tensor.shape, stride=tensor.stride())
     return as_bytes.full_tensor().view(tensor.dtype)
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
 def _clean(name: str) -> str:

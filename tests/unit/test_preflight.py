@@ -5,6 +5,7 @@ starts or the run directory is created."""
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -144,12 +145,57 @@ def test_a_lora_target_vllm_cannot_apply_to_an_mla_model_is_refused_with_the_way
     under weight_sync lora the generators would sample another policy than the one trained."""
     assert aime_dry_run(repo, tmp_path) == 0, capsys.readouterr().err  # configs/aime.yaml as shipped
     capsys.readouterr()
-    assert aime_dry_run(repo, tmp_path, "lora.target_modules=[q_a_proj,kv_b_proj,o_proj]") == 2
+    kv_b = "lora.target_modules=[q_a_proj,kv_b_proj,o_proj]"
+    assert aime_dry_run(repo, tmp_path, kv_b, "model.quantization=none") == 2
     err = capsys.readouterr().err
     assert "vLLM does not apply LoRA to kv_b_proj of an MLA model" in err, err
     assert "Drop kv_b_proj from lora.target_modules, or set generator.weight_sync: adapted" in err, err
     for way_out in ("generator.weight_sync=adapted", "generator.weight_sync=full"):
-        assert aime_dry_run(repo, tmp_path, "lora.target_modules=[q_a_proj,kv_b_proj,o_proj]", way_out) == 0
+        assert aime_dry_run(repo, tmp_path, kv_b, "model.quantization=none", way_out) == 0
+
+
+def test_over_an_nvfp4_base_on_gpus_the_kv_b_proj_refusal_offers_only_what_would_run(repo, tmp_path, capsys):
+    """aime.yaml as shipped (NVFP4 on GPU generators): adapted and full are refused there (below), so
+    the way out of kv_b_proj under lora is to drop it."""
+    assert aime_dry_run(repo, tmp_path, "lora.target_modules=[q_a_proj,kv_b_proj,o_proj]") == 2
+    err = capsys.readouterr().err
+    assert "Drop kv_b_proj from lora.target_modules (generator.weight_sync: adapted or full" in err, err
+    assert "or set generator.weight_sync: adapted" not in err, err
+
+
+@pytest.mark.parametrize("sync", ["adapted", "full"])
+def test_a_dense_sync_over_an_nvfp4_base_on_gpu_generators_is_refused_before_the_queue(repo, tmp_path, capsys, sync):
+    """vLLM keeps an NVFP4 base packed on GPUs: merged dense weights cannot load into it. The
+    generators refused it only once the allocation was granted (quant/serving.py); `submit` refuses it
+    from the run config alone, so also when the login node does not see model.path."""
+    hidden = f"model.path={tmp_path / 'compute-nodes-only'}"
+    for where in ((), (hidden,)):
+        assert aime_dry_run(repo, tmp_path, f"generator.weight_sync={sync}", *where) == 2
+        err = capsys.readouterr().err
+        assert (f"generator.weight_sync: {sync} with model.quantization: nvfp4 on GPU generators "
+                "(cluster.generators.gpus_per_node: 4)") in err, err
+        assert "Set generator.weight_sync: lora" in err and "model.quantization: none" in err, err
+    assert aime_dry_run(repo, tmp_path, f"generator.weight_sync={sync}", "model.quantization=none") == 0
+
+
+def test_model_checks_skipped_at_submit_run_first_thing_in_each_role(repo, tmp_path, capsys):
+    """Under Slurm a model.path the login node does not see is not checked by `submit`; each role then
+    runs the same checks before it imports torch or loads anything, and stops with the same message."""
+    model, run = tmp_path / "scratch" / "model", tmp_path / "run"
+    argv = ["render", str(repo / "configs" / "demo.yaml"), "--set", "cluster.launcher=slurm",
+            "--set", f"model.path={model}", "--set", f"run.dir={run}"]
+    assert main(argv) == 0
+    assert f"note: model.path {model} is not visible from this node" in capsys.readouterr().err
+    model.parent.mkdir()
+    model_copy(repo, model.parent, drop=("tokenizer.json",))  # what the compute nodes see
+    probe = ("import sys; from rltools.jobs.common import run_role; code = run_role(sys.argv[1], [sys.argv[2]]); "
+             "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
+    for role in ("trainer", "generator"):
+        result = subprocess.run([sys.executable, "-c", probe, role, str(run)], capture_output=True, text=True,
+                                timeout=120, cwd=repo)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert f"error: {role}: model.path {model} has no tokenizer" in result.stderr, result.stderr[-3000:]
+        assert result.stdout.splitlines()[-1] == "no torch"
 
 
 def test_an_mla_model_of_a_head_size_vllm_cpu_cannot_run_is_refused_on_cpu_generators(repo, tmp_path, capsys):

@@ -69,7 +69,8 @@ def test_no_module_outside_the_formats_compares_a_weight_sync_kind():
 
 def test_the_lora_format_writes_one_complete_peft_adapter(tmp_path):
     fmt = LoraAdapter("/models/base", LORA)
-    assert fmt.engine_args() == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    assert fmt.engine_args() == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1,
+                                 "lora_target_modules": ["q_proj", "v_proj"]}
     for rank, served in ((4, 8), (24, 32), (320, 320)):  # vLLM takes only its own sizes: the next one up
         assert LoraAdapter("/b", LoraConfig(rank=rank)).engine_args()["max_lora_rank"] == served
     assert not fmt.dense and not fmt.whole_model
@@ -125,6 +126,35 @@ def test_the_full_format_exports_merged_weights_and_serves_the_export_as_the_mod
     model = ModelConfig(path="/b", dtype="float32")
     assert FullWeights("/b", LORA).served_model(model, tmp_path).path == str(tmp_path)
     assert LoraAdapter("/b", LORA).served_model(model, tmp_path) is model  # the base, with the adapter on top
+
+
+def test_vllm_wraps_for_lora_only_the_layers_that_hold_a_target():
+    """Without lora_target_modules vLLM wraps every layer it can, each routed expert of an MoE model
+    too (~20 GiB a GPU for DeepSeek-V3 at TP 4, rank 32). vLLM's own matcher, given the engine
+    arguments and its models' fused layers, picks the layers holding a target (a fused one through
+    any of its parts) and no routed expert (tests/unit/test_memory.py: the buffers, as allocated)."""
+    from vllm.lora.utils import is_in_target_modules
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    def wrapped(targets, layers, packed):
+        args = LoraAdapter("/b", LoraConfig(rank=32, target_modules=targets)).engine_args()
+        targets = args.get("lora_target_modules")  # None: every layer vLLM can wrap
+        return {name for name in layers if is_in_target_modules(f"model.layers.3.{name}", targets, packed)}
+
+    llama = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+    assert wrapped(["v_proj"], llama, LlamaForCausalLM.packed_modules_mapping) == {"self_attn.qkv_proj"}
+    assert wrapped(["q_proj", "down_proj"], llama, LlamaForCausalLM.packed_modules_mapping) == {
+        "self_attn.qkv_proj", "mlp.down_proj"}
+    # DeepSeek-V3 as vLLM builds it (deepseek_v2.py, and the per-expert names process_packed_modules_mapping adds)
+    experts = [f"experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "down_proj", "up_proj")]
+    packed = {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+              "experts": experts}
+    mla = ["self_attn.fused_qkv_a_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
+           "mlp.gate", "mlp.experts", "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj"]
+    aime = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]  # configs/aime.yaml
+    assert wrapped(aime, mla, packed) == {"self_attn.fused_qkv_a_proj", "self_attn.q_b_proj", "self_attn.o_proj"}
+    assert wrapped(["kv_a_proj_with_mqa", "up_proj", "down_proj"], mla, packed) == {
+        "self_attn.fused_qkv_a_proj", "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj"}
 
 
 def test_the_lora_ranks_are_the_ones_vllm_accepts():
