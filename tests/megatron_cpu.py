@@ -4,7 +4,7 @@ megatron-core is GPU software: it creates tensors on `torch.cuda.current_device(
 all-gather buffers, attention masks, pipeline receive buffers), seeds dropout through a CUDA RNG
 state tracker, and its schedules synchronise CUDA streams. The rltools Megatron backend uses
 megatron's model and pipeline schedules but neither its DDP nor its optimizer (a plain torch
-optimizer steps the LoRA weights), and passes its own attention mask, so on CPU only these calls
+optimizer steps the LoRA weights), and its own core attention (causal in the kernel, no mask), so on CPU only these calls
 need a CPU answer:
 
 1. `torch.cuda.current_device()` returns "cpu": every tensor megatron places "on the current

@@ -32,7 +32,9 @@ from .nvfp4 import dequantize, global_scale_for, packed_bytes, quantize
 
 
 class Source:
-    """The tensors of a safetensors checkpoint directory, opened lazily (memory-mapped)."""
+    """The tensors of a safetensors checkpoint directory, each read when asked for, with `pread` into a
+    fresh tensor: no page of the files is mapped into the process (a mapped page counts in its resident
+    memory, and a trainer rank that reads its rows of every tensor would otherwise show the file)."""
 
     def __init__(self, model_dir: str | Path):
         from safetensors import safe_open
@@ -57,7 +59,7 @@ class Source:
         return tuple(self._where[name].get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
+        return self.rows(name, 0, None)
 
     def rows(self, name: str, lo: int, hi: int | None) -> torch.Tensor:
         """Rows lo..hi of `name`, reading only those bytes (a scalar: itself), not memory-mapped."""

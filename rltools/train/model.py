@@ -229,7 +229,7 @@ def _exported(model: nn.Module, state: dict[str, torch.Tensor], lora_scale: floa
         from ..quant.nvfp4_checkpoint import dequantized_state
 
         state = unstack_experts(state)  # packed routed experts: one triple per expert, as stored
-        state = dict(dequantized_state(iter(state.items()), dtype))
+        state = dict(dequantized_state(_drained(state), dtype))
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         match = _LORA_WEIGHT.fullmatch(name)
@@ -247,6 +247,13 @@ def _exported(model: nn.Module, state: dict[str, torch.Tensor], lora_scale: floa
                 tensor = torch.addmm(tensor.float(), pair["B"].float(), pair["A"].float(), alpha=lora_scale).to(tensor.dtype)
         merged[name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
     return list(checkpoint_layout(model, merged).items())
+
+
+def _drained(state: dict):
+    """(name, tensor) of `state`, each removed as it is taken: what was dequantised is not kept twice."""
+    while state:
+        name = next(iter(state))
+        yield name, state.pop(name)
 
 
 def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
