@@ -9,6 +9,7 @@ directory's lock, so no second launch starts until the last of them has stopped.
 """
 
 import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -111,8 +112,9 @@ def _supervise(children: list[dict], paths: RunPaths, progress: Display) -> int:
                 _say(f"\nthe trainer stopped {when} (its log says why); continue with: rltools resume {paths.root}")
                 return EXIT_STOPPED
             _say(f"\n{child['name']} failed (exit {child['proc'].returncode}); its log {child['log']}:")
-            _say(_tail(child["log"]))
-            _say(_disk_note(paths))
+            tail = _tail(child["log"])
+            _say(tail)
+            _say(_disk_note(paths, tail))
             return 1
         if all(t["proc"].poll() == 0 for t in trainers) and not running:
             progress.update()
@@ -191,14 +193,15 @@ def _say(text: str) -> None:
         pass
 
 
-def _disk_note(paths: RunPaths) -> str:
-    """A full run directory also cuts the roles' own logs short: say so, whatever the log shows."""
+def _disk_note(paths: RunPaths, tail: str) -> str:
+    """A full run directory also cuts the roles' own logs short: say so, whatever the log shows; and
+    when the role's log says so, though the space is back (the role removed what it was writing)."""
     try:
         stat = os.statvfs(paths.root)
     except OSError:
         return ""
     free = stat.f_bavail * stat.f_frsize
-    if free >= LOW_DISK_BYTES:
+    if free >= LOW_DISK_BYTES and os.strerror(errno.ENOSPC) not in tail:
         return ""
     return (f"the filesystem of {paths.root} is full ({free // 1024} KiB free): free space there, then "
             f"`rltools resume {paths.root}` continues from the last checkpoint")

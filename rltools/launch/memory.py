@@ -142,10 +142,10 @@ def trainer_estimate(config: RLConfig, shape: Shape, weights: Weights, prompt: i
     gc = "with" if t.gradient_checkpointing else "without"
     detail = (f"{count(weights.params)} params from {weights.source}, {how}; micro batch {micro} x "
               f"({prompt} prompt + {new} new) tokens, {gc} gradient checkpointing")
-    # FSDP2 gathers the adapter whole (lora); full and adapted stream one decoder layer at a time,
-    # whole and dequantised to model.dtype (adapted: bounded here by the layer)
+    # FSDP2 gathers the adapter whole (lora); full and adapted stream one group at a time (a layer
+    # without its routed experts, one projection of them), whole and dequantised to model.dtype
     adapter_only = not weight_format(config).dense  # vLLM serves the adapter itself (weight_sync: lora)
-    sent = lora_params(shape, lora.target_modules, lora.rank) * 4 if adapter_only else shape.largest_layer_params() * dtype
+    sent = lora_params(shape, lora.target_modules, lora.rank) * 4 if adapter_only else shape.largest_export_params() * dtype
     export = base + state[1] + sent + overhead if t.backend == "fsdp2" and ranks > 1 else 0.0
     return Estimate("trainer rank", parts, detail, _gpu(config, "trainers"), export=export)
 

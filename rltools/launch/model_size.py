@@ -119,9 +119,10 @@ class Shape:
             active += size * self.top_k // self.experts if x.expert else size
         return total, active
 
-    def largest_layer_params(self) -> int:
-        """The parameters of the biggest decoder layer (an MoE layer: every routed expert), or of the
-        embedding when it is bigger: what FSDP2's streaming export holds whole at once."""
+    def largest_export_params(self) -> int:
+        """The parameters of the biggest group FSDP2's streaming export holds whole at once: a decoder
+        layer without its routed experts, the routed experts' gate and up projections of one layer
+        (held fused: `experts.gate_up_proj`), or the embedding."""
         h, L = self.hidden, self.layers
         per_layer = {"dense": 0, "moe": 0}
         for x in self.linears():
@@ -129,12 +130,15 @@ class Shape:
             if x.count == L:  # attention: in every layer
                 per_layer["dense"] += size
                 per_layer["moe"] += size
-            elif x.expert or x.count == self.moe_layers:  # routed experts, shared experts, router
+            elif x.expert:
+                continue  # a group of their own, below
+            elif x.count == self.moe_layers:  # shared experts, router
                 per_layer["moe"] += size * x.count // self.moe_layers
             else:  # the dense layers' MLP
                 per_layer["dense"] += size
+        routed = 2 * self.experts * h * self.expert_intermediate if self.moe_layers else 0
         return max(per_layer["moe"] if self.moe_layers else 0, per_layer["dense"] if L > self.moe_layers else 0,
-                   self.vocab * h)
+                   routed, self.vocab * h)
 
     def kv_elements(self, vllm: bool) -> int:
         """KV-cache values per token and layer: vLLM keeps MLA's compressed latent (kv_lora_rank +

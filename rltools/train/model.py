@@ -28,6 +28,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _PEFT_PREFIX = "base_model.model."
 _LORA_WEIGHT = re.compile(r"(.*)\.lora_([AB])\.[^.]+\.weight")
 _LAYER_PREFIX = re.compile(r".*?\.layers\.\d+\.")
+# one projection of a layer's routed experts: held fused (transformers 5) or as stacked NVFP4 triples
+_ROUTED = re.compile(r"(.*\.experts\.)(gate_up_proj|gate_proj|up_proj|down_proj)(_weight_\w+)?")
 
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpointing: bool = False, *,
@@ -173,10 +175,11 @@ def export_weights(model: nn.Module, lora_scale: float | None, modules: frozense
     modules so named (`fused_layers.module_of`). Collective under FSDP2: every trainer rank must
     iterate it; the tensors are complete on all of them.
 
-    A `TensorStream`: its specs come from meta tensors (nothing gathered), and the tensors one
-    decoder layer at a time: a layer's weights are gathered, merged and yielded, then dropped before
-    the next layer's are gathered, so no rank holds more than its shard and one layer (the weight
-    sender, given the specs, holds no more either)."""
+    A `TensorStream`: its specs come from meta tensors (nothing gathered), and the tensors one group
+    at a time (`_layer_groups`: a decoder layer, one projection of its routed experts): a group's
+    weights are gathered, merged and yielded, then dropped before the next group's are gathered, so
+    no rank holds more than its shard and one layer (the weight sender, given the specs, holds no
+    more either)."""
     from ..weight_sync import TensorStream
 
     def wanted(name: str) -> bool:
@@ -199,17 +202,24 @@ def export_weights(model: nn.Module, lora_scale: float | None, modules: frozense
 
 def _layer_groups(model: nn.Module, wanted) -> list[list[tuple[str, torch.Tensor]]]:
     """The `wanted` tensors of the state dict (clean names, as held: DTensors under FSDP2), grouped by
-    decoder layer (a LoRA pair with its base weight); outside the layers, one tensor a group. A tied
-    output embedding is the input one: the checkpoint (and what loads it) has it once."""
+    decoder layer (a LoRA pair with its base weight), a layer's routed experts one projection a group
+    (an MoE layer's bulk: never adapted, dequantised whole); outside the layers, one module a group.
+    A tied output embedding is the input one: the checkpoint (and what loads it) has it once."""
     groups: dict[str, list] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         name = _clean(name)
         if wanted(name) and id(tensor) not in seen:
             seen.add(id(tensor))
-            layer = _LAYER_PREFIX.match(name)
-            groups.setdefault(layer.group(0) if layer else _module(name), []).append((name, tensor))
+            groups.setdefault(_group(name), []).append((name, tensor))
     return list(groups.values())
+
+
+def _group(name: str) -> str:
+    if routed := _ROUTED.fullmatch(name):
+        return routed.group(1) + routed.group(2)
+    layer = _LAYER_PREFIX.match(name)
+    return layer.group(0) if layer else _module(name)
 
 
 def _module(name: str) -> str:
