@@ -71,7 +71,7 @@ def write_checkpoint(config, directory: Path) -> None:
     writer.close()
 
 
-def _peak_kb() -> int:
+def _peak_bytes() -> int:
     return _status("VmHWM")
 
 
@@ -106,7 +106,7 @@ def rank_main(rank: int, world: int, port: int, path: str, quantization: str, mo
         model = load_policy(model_cfg, lora, shard=True)
     else:  # the build before: the whole model loaded on every rank (transformers' loader), then sharded
         model = whole_then_sharded(model_cfg, lora)
-    build_peak, settled = _peak_kb() - base, _status("VmRSS") - base
+    build_peak, settled = _peak_bytes() - base, _status("VmRSS") - base
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())  # DTensor: whole shape
     result = {"build_peak": build_peak, "settled": settled, "model_bytes": model_bytes}
     if mode == "sharded":
@@ -117,7 +117,7 @@ def rank_main(rank: int, world: int, port: int, path: str, quantization: str, mo
             key = (re.match(r".*?\.layers\.\d+\.", name) or re.match(".*", name)).group(0)  # a decoder layer
             layer_bytes[key] = layer_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
             del tensor  # as the weight sender, once its piece is on the wire
-        result.update(export_peak=_peak_kb() - base, largest_layer=max(layer_bytes.values()),
+        result.update(export_peak=_peak_bytes() - base, largest_layer=max(layer_bytes.values()),
                       exported=sum(layer_bytes.values()))
     dist.barrier()
     Path(f"{out}.{rank}").write_text(json.dumps(result))
