@@ -6,6 +6,7 @@ in a TimeoutPool of worker processes with a hard per-call deadline (reward.timeo
 a hanging checker nor a crashing user function can stall or kill the generator.
 """
 
+from .answers import answer_extractor, extract_answer
 from .verifiers import Reward, make_reward
 
-__all__ = ["Reward", "make_reward"]
+__all__ = ["Reward", "answer_extractor", "extract_answer", "make_reward"]

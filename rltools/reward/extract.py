@@ -1,4 +1,5 @@
-"""Answer extraction for integer-answer math (AIME-style): pure string functions, no imports beyond `re`.
+"""Answer extraction for math completions (integer answers AIME-style; the boxed text for math_verify):
+pure string functions, no imports beyond `re`.
 
 Invariants:
 - Every function here never raises and costs microseconds whatever its input: the completion is
@@ -123,9 +124,23 @@ def exact_integer(completion_text: str, answer: int) -> float:
     rejected: the model is trained to write canonical answers, and accepting "081" would reward a
     format no evaluator downstream expects. Never raises (non-strings score 0.0).
     """
+    value = canonical_integer(completion_text)
+    return 1.0 if value is not None and value == answer else 0.0
+
+
+def canonical_integer(completion_text: str) -> int | None:
+    """The integer the whole completion spells in canonical decimal (what exact_integer compares), else None."""
     if not isinstance(completion_text, str):
-        return 0.0
+        return None
     text = completion_text.strip()
     if len(text) > MAX_ANSWER_CHARS or not _CANONICAL.fullmatch(text):
-        return 0.0
-    return 1.0 if int(text) == answer else 0.0
+        return None
+    return int(text)
+
+
+def boxed_text(text: str) -> str | None:
+    """The last balanced \\boxed{...}'s content with runs of whitespace made one space, else None
+    (an empty box too): math_verify's final answer as a string, for voting."""
+    content = last_boxed(text)
+    normalised = " ".join(content.split()) if content is not None else ""
+    return normalised or None

@@ -7,7 +7,8 @@ from typing import Callable, Sequence
 
 from ..config.schema import RewardConfig
 from ..errors import UserError
-from .extract import TAIL_CHARS, answer_line, exact_integer, last_boxed, parse_integer
+from .answers import answer_line_answer, boxed_integer_answer
+from .extract import TAIL_CHARS, exact_integer
 from .pool import TimeoutPool, Warmup, default_workers
 
 MATH_VERIFY = "rltools.reward.math:math_verify_score"
@@ -17,13 +18,13 @@ INTEGER_TYPES = ("exact_integer", "boxed_integer", "answer_line")
 
 def boxed_integer(completion: str, answer: int) -> float:
     """1.0 iff the last balanced \\boxed{...} of the completion's tail spells `answer`."""
-    value = parse_integer(last_boxed(completion))
+    value = boxed_integer_answer(completion)
     return 1.0 if value is not None and value == answer else 0.0
 
 
 def answer_line_integer(completion: str, answer: int) -> float:
     """1.0 iff the last 'Answer: N' line (DAPO style) spells `answer`."""
-    value = parse_integer(answer_line(completion))
+    value = answer_line_answer(completion)
     return 1.0 if value is not None and value == answer else 0.0
 
 

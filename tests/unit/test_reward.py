@@ -4,10 +4,10 @@ import pytest
 
 from rltools.config.schema import RewardConfig
 from rltools.errors import UserError
-from rltools.reward import make_reward
+from rltools.reward import answer_extractor, extract_answer, make_reward
 from rltools.reward.extract import TAIL_CHARS, integer_answer, last_boxed, parse_integer
 from rltools.reward.pool import TimeoutPool, Warmup
-from rltools.reward.verifiers import answer_line_integer, boxed_integer
+from rltools.reward.verifiers import INLINE, answer_line_integer, boxed_integer
 
 ADVERSARIAL = [
     "",
@@ -104,6 +104,39 @@ def test_integer_verifiers_cost_microseconds():
     # A guard against a super-linear regression (a backtracking regex: milliseconds to seconds a call),
     # not a benchmark: ~14 us here quiet, 232 us seen with both cores busy, so 2 ms holds on any host.
     assert per_call < 2e-3, f"{per_call * 1e6:.1f} us a call"
+
+
+@pytest.mark.parametrize("reward_type, text, answer", [
+    ("exact_integer", " 81\n", 81), ("exact_integer", "081", None), ("exact_integer", "81 is it", None),
+    ("boxed_integer", "so \\boxed{12} then \\boxed{$025$}.", 25), ("boxed_integer", "\\boxed{2.5}", None),
+    ("answer_line", "thinking\n**Answer:** $\\boxed{-45}$.\n", -45), ("answer_line", "Answer: 4 apples", None),
+    ("math_verify", "so \\boxed{ \\frac{1}{2}\n+ x }", "\\frac{1}{2} + x"), ("math_verify", "\\boxed{ }", None),
+    ("math_verify", "\\boxed{042}", "042"), ("math_verify", "no box", None),
+    ("custom", "\\boxed{7}", None), ("no_such_type", "\\boxed{7}", None),
+])
+def test_extract_answer_gives_each_reward_types_final_answer(reward_type, text, answer):
+    assert extract_answer(reward_type, text) == answer
+    assert type(extract_answer(reward_type, text)) is type(answer)  # 25, not "25"; "042", not 42
+
+
+def test_custom_rewards_have_no_extractor():
+    assert answer_extractor("custom") is None
+    assert all(answer_extractor(t) is not None for t in [*INLINE, "math_verify"])
+
+
+@pytest.mark.parametrize("text", [*ADVERSARIAL, None, 7, b"\\boxed{7}"], ids=range(len(ADVERSARIAL) + 3))
+def test_extract_answer_never_raises_and_is_quick(text):
+    start = time.perf_counter()
+    for reward_type in ("exact_integer", "boxed_integer", "answer_line", "math_verify", "custom"):
+        assert extract_answer(reward_type, text) is None or isinstance(extract_answer(reward_type, text), (int, str))
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("text", ["\\boxed{25}", "Answer: 25", "25", "\\boxed{025}\nAnswer: **7**", "x", "\\boxed{7}"])
+def test_an_integer_rewards_vote_agrees_with_its_score(text):
+    for reward_type, score in INLINE.items():
+        for answer in (7, 25):
+            assert score(text, answer) == float(extract_answer(reward_type, text) == answer), (reward_type, answer)
 
 
 def test_pool_survives_hangs_errors_crashes_and_junk():
