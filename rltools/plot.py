@@ -10,8 +10,9 @@ output's suffix (.png, .svg, .pdf).
 
 from pathlib import Path
 
+from .config.schema import HELD_OUT
 from .errors import UserError
-from .monitor.records import read_evals, read_metrics
+from .monitor.records import read_evals, read_metrics, set_results
 from .paths import RunPaths
 
 TIMINGS = {"generation_s": "generation", "training_s": "training", "sync_s": "weight sync",
@@ -29,15 +30,15 @@ def plot_run(paths: RunPaths, output: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [m["step"] + 1 for m in metrics]
-    evals = read_evals(paths)
+    evals = by_set(read_evals(paths))
     panels = [p for p in (_held_out, _reward, _tools, _policy, _fleet, _timing) if p.wanted(metrics, evals)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.9 * len(panels)), sharex=True, squeeze=False)
     for panel, ax in zip(panels, axes[:, 0]):
         panel.draw(ax, steps, metrics, evals)
-        for step in evals:
+        for step in sorted({step for results in evals.values() for step in results}):
             ax.axvline(step, color="0.6", lw=0.6, ls=":", zorder=0)
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("optimizer steps (dotted: held-out evaluations)")
+    axes[-1, 0].set_xlabel("optimizer steps (dotted: evaluations)")
     fig.suptitle(_title(paths, metrics, evals))
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -49,12 +50,23 @@ def plot_run(paths: RunPaths, output: Path) -> None:
         plt.close(fig)
 
 
+def by_set(evals: dict[int, dict]) -> dict[str, dict[int, dict]]:
+    """{set name: {step: summary}}, the headline set first."""
+    sets: dict[str, dict[int, dict]] = {}
+    for step, result in evals.items():
+        for name, summary in set_results(result).items():
+            sets.setdefault(name, {})[step] = summary
+    return sets
+
+
 def _title(paths: RunPaths, metrics: list[dict], evals: dict) -> str:
     title = f"{paths.root.name}: {len(metrics)} steps"
-    if len(evals) >= 2:
-        first, last = min(evals), max(evals)
-        k, before, after = evals[last]["k"], evals[first]["avg_at_k"], evals[last]["avg_at_k"]
-        title += f" | held-out avg@{k} {before:.3f} (step {first}) -> {after:.3f} (step {last}), " \
+    name, results = next(iter(evals.items()), (None, {}))
+    if len(results) >= 2:
+        first, last = min(results), max(results)
+        k, before, after = results[last]["k"], results[first]["avg_at_k"], results[last]["avg_at_k"]
+        label = "held-out" if name == HELD_OUT else name
+        title += f" | {label} avg@{k} {before:.3f} (step {first}) -> {after:.3f} (step {last}), " \
                  f"{100 * (after - before):+.1f} points"
     return title
 
@@ -72,7 +84,7 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 class _held_out:
-    """The headline: held-out avg@k with its standard error, and pass@k."""
+    """The headline: each eval set's avg@k with its standard error, and pass@k (one set: its maj@k too)."""
 
     @staticmethod
     def wanted(metrics, evals) -> bool:
@@ -80,15 +92,25 @@ class _held_out:
 
     @staticmethod
     def draw(ax, steps, metrics, evals):
-        at = sorted(evals)
-        k = evals[at[-1]]["k"]
-        ax.errorbar(at, [evals[s]["avg_at_k"] for s in at], yerr=[evals[s]["stderr"] for s in at], fmt="o-",
-                    capsize=3, color="C1", label=f"avg@{k} (mean accuracy of {k} samples) ± stderr")
-        if all("pass_at_k" in evals[s] for s in at):
-            ax.plot(at, [evals[s]["pass_at_k"] for s in at], "s--", color="C2", ms=4,
-                    label=f"pass@{k} (any of {k} correct)")
+        one = len(evals) == 1
+        for i, (name, results) in enumerate(evals.items()):
+            at = sorted(results)
+            last = results[at[-1]]
+            k, color = last["k"], f"C{(1 + 2 * i) % 10}"
+            what = f"avg@{k} (mean accuracy of {k} samples) ± stderr" if one else \
+                f"{name}: avg@{k} ± stderr ({last['n_problems']} problems)"
+            ax.errorbar(at, [results[s]["avg_at_k"] for s in at], yerr=[results[s]["stderr"] for s in at], fmt="o-",
+                        capsize=3, color=color, label=what)
+            if all("pass_at_k" in results[s] for s in at) and k > 1:
+                ax.plot(at, [results[s]["pass_at_k"] for s in at], "s--", color=color, ms=4, alpha=0.6,
+                        label=f"pass@{k} (any of {k} correct)" if one else f"{name}: pass@{k}")
+            if one and k > 1 and all("maj_at_k" in results[s] for s in at):
+                ax.plot(at, [results[s]["maj_at_k"] for s in at], "d:", color="C2", ms=4,
+                        label=f"maj@{k} (the majority answer)")
         ax.set_ylim(0, 1)
-        ax.set_title(f"held-out problems ({evals[at[-1]]['n_problems']})")
+        name, results = next(iter(evals.items()))
+        ax.set_title(f"held-out problems ({results[max(results)]['n_problems']})" if one and name == HELD_OUT
+                     else "evaluation sets" if not one else f"{name} ({results[max(results)]['n_problems']} problems)")
         ax.legend(loc="lower right", fontsize=8)
 
 
@@ -130,9 +152,10 @@ class _tools:
             values = [m.get(key, 0.0) for m in metrics]
             ax.plot(steps, values, color=color, lw=0.6, alpha=FAINT)
             ax.plot(steps, smooth(values, window), color=color, lw=1.6, label=label)
-        at = [s for s in sorted(evals) if "tool_call_rate" in evals[s]]
+        headline = next(iter(evals.values()), {})
+        at = [s for s in sorted(headline) if "tool_call_rate" in headline[s]]
         if at:
-            ax.plot(at, [evals[s]["tool_call_rate"] for s in at], "o", color="C9", label="held-out: calling a tool")
+            ax.plot(at, [headline[s]["tool_call_rate"] for s in at], "o", color="C9", label="held-out: calling a tool")
         ax.set_ylim(0, 1)
         ax.set_title("tool use")
         ax.legend(loc="center right", fontsize=8)

@@ -133,7 +133,8 @@ class LoraAdapter(WeightFormat):
 
     def serve(self, engine, adapter_dir: Path, version: int) -> None:
         previous = engine.adapter
-        engine.serve_adapter(f"policy-v{version}", version, adapter_dir)  # a new id: vLLM loads it anew
+        # a new id: vLLM loads it anew; ids start at 1 (version 0 is sent when lora.init_from set it)
+        engine.serve_adapter(f"policy-v{version}", version + 1, adapter_dir)
         if previous is not None and previous != adapter_dir and engine.writes_files:
             shutil.rmtree(previous, ignore_errors=True)
 

@@ -34,7 +34,7 @@ the question's expression), copy accuracy 0.991 (after a gold call and result), 
 (direct answers 0.054), greedy 0.087 (greedy almost never calls: 0.003).
 
 Output: config.json, generation_config.json, model.safetensors (fp32), tokenizer.json,
-tokenizer_config.json. The tokenizer is a `tokenizers` WordLevel model over single characters
+tokenizer_config.json, chat_template.jinja. The tokenizer is a `tokenizers` WordLevel model over single characters
 (printable ASCII; anything else is <unk>), prepends <s>, and decodes with no added spaces.
 """
 
@@ -63,9 +63,9 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rltools.data.arithmetic import (  # noqa: E402
-    PROMPT_SUFFIX,
     Problem,
     format_answer,
+    model_text,
     problems,
     reward,
     train_prompts,
@@ -117,15 +117,17 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llam
     return DeepseekV3ForCausalLM(config)
 
 
+# The chat format of every tiny model: exactly the text they are pretrained on ("=" opens the answer).
+CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "rltools" / "assets" / "tiny-arith" / "chat_template.jinja"
 Example = tuple[str, str, bool]  # (prompt, completion before </s>, whether its first token is trained)
 
 
 def direct(problem: Problem) -> Example:
-    return problem.prompt, format_answer(problem.answer), True
+    return model_text(problem), format_answer(problem.answer), True
 
 
 def expression(problem: Problem) -> str:
-    return problem.prompt.removeprefix("What is ").removesuffix("?" + PROMPT_SUFFIX)
+    return problem.prompt.removeprefix("What is ").removesuffix("?")
 
 
 def tool_call(problem: Problem, decide: bool = True) -> Example:
@@ -133,7 +135,7 @@ def tool_call(problem: Problem, decide: bool = True) -> Example:
     Without `decide`, the first token (the choice to call) is not trained: the episode teaches
     calling and copying without raising the rate of calls."""
     answer = format_answer(problem.answer)
-    return problem.prompt, f"{CALL_OPEN}{expression(problem)}{CALL_CLOSE}<result>{answer}</result>{answer}", decide
+    return model_text(problem), f"{CALL_OPEN}{expression(problem)}{CALL_CLOSE}<result>{answer}</result>{answer}", decide
 
 
 def make_batch(tokenizer: PreTrainedTokenizerFast, batch: list[Example]) -> dict[str, torch.Tensor]:
@@ -281,6 +283,7 @@ def save(model, tokenizer, out: Path) -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(out, safe_serialization=True)
+    tokenizer.chat_template = CHAT_TEMPLATE.read_text()  # saved as chat_template.jinja
     tokenizer.save_pretrained(out)
     # The generic class name loads with transformers 4.x too (5.x writes its own "TokenizersBackend").
     config_path = out / "tokenizer_config.json"

@@ -21,7 +21,7 @@ def run_generate_bench(prompts: int = 64, group: int = 8, repeats: int = 5) -> d
 
     torch.set_num_threads(1)
     config = load_config(DEMO)
-    texts = [p.prompt for p in arithmetic.problems(config.run.seed, "eval", prompts)]
+    texts = [arithmetic.model_text(p) for p in arithmetic.problems(config.run.seed, "eval", prompts)]
     ours = _median_rate(_vllm_sampler(config, texts, group), repeats)
     reference = _median_rate(_hf_sampler(config, texts, group), repeats)
     return {

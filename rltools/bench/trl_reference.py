@@ -23,7 +23,7 @@ def main(model: str, steps: int, prompts: int, group: int, max_tokens: int, lear
     from ..data import arithmetic
 
     rows = [
-        {"prompt": p.prompt, "answer": p.answer}
+        {"prompt": arithmetic.model_text(p), "answer": p.answer}
         for step in range(steps)
         for p in arithmetic.train_prompts(seed, epoch=0, step=step, count=prompts)
     ]

@@ -40,11 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.set_defaults(func=cmd_submit)
 
-    resume = commands.add_parser("resume", help="continue a stopped or failed run from its latest checkpoint")
+    resume = commands.add_parser("resume", help="continue a stopped or failed run from its latest checkpoint, or "
+                                 "extend a completed one (--set schedule.steps=N)")
     resume.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
     resume.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="cluster.KEY=VALUE",
-        help="change where or how long the job runs, e.g. --set cluster.time=04:00:00 (cluster keys only)",
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="change where or how long the job runs, e.g. --set cluster.time=04:00:00, or extend it: --set "
+        "schedule.steps=N (cluster.*, schedule.steps, cadences, retention and deadlines only: the error lists them)",
     )
     resume.add_argument("--wait", action="store_true", help="Slurm: follow the job until it ends")
     resume.set_defaults(func=cmd_resume)
@@ -84,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-o", "--output", type=Path, help="script path (default: RUN_DIR/slurm/job.sbatch)")
     render.set_defaults(func=cmd_render)
 
-    evaluate = commands.add_parser("eval", help="avg@k / pass@k of a policy of a run, on its held-out problems")
+    evaluate = commands.add_parser("eval", help="avg@k / pass@k / maj@k of a policy of a run, on each of its eval sets")
     evaluate.add_argument("target", type=Path, metavar="CONFIG_OR_RUN_DIR", help="a run directory or a YAML config")
     evaluate.add_argument("--checkpoint", default="latest", help="base, latest (default) or step_N")
-    evaluate.add_argument("--k", type=int, help="samples per problem (default: eval.k)")
-    evaluate.add_argument("--problems", type=int, help="held-out problems to evaluate (default: eval.problems)")
+    evaluate.add_argument("--k", type=int, help="samples per problem of every eval set (default: each set's k, eval.k)")
+    evaluate.add_argument("--problems", type=int, help="problems of every eval set to evaluate (default: each set's, eval.problems)")
     evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override a key of a CONFIG (not of a run directory's config)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
@@ -162,33 +164,57 @@ def cmd_submit(args) -> int:
 
 
 def _summary(config, notes: list[str]) -> str:
-    """The job's topology and memory estimate, then what preflight could not check from here."""
+    """The job's topology and memory estimate, then preflight's notes: what it could not check from here, the
+    data format it inferred, the first prompt as the model will see it."""
     return "\n".join([describe(config, plan(config)), *(f"note: {note}" for note in notes)])
 
 
 def cmd_resume(args) -> int:
-    from ..launch.run_dir import recorded_run_dir
+    from ..launch.run_dir import RESUMABLE, may_change, recorded_run_dir
     from ..monitor.status import open_run
 
     paths = open_run(args.run_dir)
-    others = [o for o in args.overrides if not o.startswith("cluster.")]
+    others = [o for o in args.overrides if not may_change(o.partition("=")[0].strip(), RESUMABLE)]
     if others:
-        raise UserError(f"resume can change cluster.* keys only, not {others}: the other keys made the run's "
-                        "checkpoints and rollouts; start a new run (another run.dir) to change them")
+        raise UserError(f"resume cannot change {others}: those keys made the run's checkpoints, rollouts or "
+                        f"evaluations; start a new run (another run.dir) to change them. A resume may change: "
+                        f"{', '.join(f'{key}.*' if '.' not in key else key for key in RESUMABLE)}")
     # The run continues where its directory is now: a moved or copied run must not run in the old place.
+    before = load_config(paths.config, [f"run.dir={paths.root}"])
     config = load_config(paths.config, [*args.overrides, f"run.dir={paths.root}"])
     recorded = recorded_run_dir(paths)
     if recorded is not None and recorded.resolve() != paths.root:
         print(f"note: {paths.root} was moved or copied from {recorded} (its config's run.dir); the run continues "
               f"in {paths.root}", file=sys.stderr)
     done = paths.latest_checkpoint()
+    if config.schedule.steps < done:
+        raise UserError(f"schedule.steps {config.schedule.steps} is below the {done} steps {paths.checkpoint_dir(done)} "
+                        f"holds: a run cannot be shortened past its latest checkpoint (set schedule.steps >= {done})")
     if done >= config.schedule.steps:
-        print(f"{paths.root} is complete: its checkpoint holds all {done} steps", file=sys.stderr)
+        print(f"{paths.root} is complete: its checkpoint holds all {done} steps; extend it with "
+              f"--set schedule.steps=N (N > {done})", file=sys.stderr)
         return 0
+    if config.schedule.steps != before.schedule.steps:
+        print(f"note: {_length_note(before, config, done)}", file=sys.stderr)
     print(f"resuming {paths.root}: its latest checkpoint holds {done} of {config.schedule.steps} steps (the trainers "
           "check it before they load it, and say which one they loaded)" if done else
           f"no checkpoint in {paths.root}: starting from step 0", file=sys.stderr)
-    return launch(config, render_sbatch(config), args.wait, by="rltools resume", may_change=("cluster",))
+    return launch(config, render_sbatch(config), args.wait, by="rltools resume", may_change=RESUMABLE)
+
+
+def _length_note(before, config, done: int) -> str:
+    """What a new schedule.steps does to the run, the learning rate's schedule included."""
+    from ..config.lr_schedule import rate_at
+
+    old, new = before.schedule.steps, config.schedule.steps
+    text = f"schedule.steps {old} -> {new}"
+    algorithm = config.algorithm
+    if algorithm.lr_schedule == "constant":
+        return text
+    update = done * algorithm.mini_batches
+    return (f"{text}: the {algorithm.lr_schedule} learning-rate schedule is re-derived over {new} steps from step "
+            f"{done} on: its rate there is {rate_at(algorithm, new, update):.3g} ({rate_at(algorithm, old, update):.3g} "
+            f"over {old} steps)")
 
 
 def launch(config, script: str, wait: bool, by: str, may_change: tuple[str, ...] = ()) -> int:

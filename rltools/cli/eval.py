@@ -44,14 +44,22 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(
-        f"{result['checkpoint']} (step {result['step']}): avg@{result['k']} {result['avg_at_k']:.3f} "
-        f"(+- {result['stderr']:.3f}, {result['n_problems']} problems) | pass@{result['k']} {result['pass_at_k']:.3f} "
-        f"pass@1 {result['pass_at_1']:.3f} | completion tokens mean {result['mean_completion_tokens']:.1f} "
-        f"max {result['max_completion_tokens']}, truncated {100 * result['truncated_fraction']:.1f}% | {result['seconds']:.1f} s"
-    )
-    print(_per_problem(result["per_problem_accuracy"], result["k"]))
+    for name, summary in result["sets"].items():
+        print(f"{result['checkpoint']} (step {result['step']}), {name}: {describe_set(summary)}")
+        print(_per_problem(summary["per_problem_accuracy"], summary["k"]))
     return 0
+
+
+def describe_set(s: dict) -> str:
+    """One eval set's summary on a line: avg@k +- stderr, pass@k, maj@k, sampling, tokens, time."""
+    problems = f"{s['n_problems']} problems" + (f" of {s['problems_available']}"
+                                                if s.get("problems_available", s["n_problems"]) > s["n_problems"] else "")
+    majority = f" maj@{s['k']} {s['maj_at_k']:.3f}" if "maj_at_k" in s else ""
+    sampling = "greedy" if s.get("temperature") == 0 else f"T {s.get('temperature')} top-p {s.get('top_p')}"
+    return (f"avg@{s['k']} {s['avg_at_k']:.3f} (+- {s['stderr']:.3f}, {problems}) | pass@{s['k']} {s['pass_at_k']:.3f} "
+            f"pass@1 {s['pass_at_1']:.3f}{majority} | {sampling}, completion tokens mean "
+            f"{s['mean_completion_tokens']:.1f} max {s['max_completion_tokens']}, truncated "
+            f"{100 * s['truncated_fraction']:.1f}% | {s['seconds']:.1f} s")
 
 
 def _eval_on_slurm(config, paths, args) -> dict:

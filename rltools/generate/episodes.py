@@ -8,8 +8,8 @@ one sample never holds up the batch; a group's first turns finish together). A s
 environment ends every episode after its first turn: the same path, one turn.
 
 Invariants:
-- Turn 0 of the group is the n-sample request LLM.generate sent before episodes existed (vLLM seeds
-  its sample j with `seed + j`): single-turn sampling is unchanged, token for token and in cost.
+- Turn 0 of the group is the n-sample request LLM.generate would send for the problem's prompt tokens
+  (vLLM seeds its sample j with `seed + j`): single-turn sampling is one request, token for token.
   Later turns' seeds are derived from (seed + j, turn), so a restarted generator regenerates them.
 - Tokens are never re-tokenized: a turn's tokens are vLLM's; an observation is tokenized once
   (no special tokens) and appended with mask 0 and logprob 0.
@@ -66,7 +66,7 @@ class Episode:
     """One sample in progress, then done."""
 
     prompt: str | list[int]
-    """The first observation as text, then (after turn 0) its token ids as vLLM tokenized it."""
+    """The problem's prompt tokens (`Problem.prompt_ids`), or its text until vLLM tokenized it at turn 0."""
     seed: int
     environment: Environment
     token_ids: list[int] = field(default_factory=list)
@@ -78,6 +78,8 @@ class Episode:
     tool_errors: int = 0
     finish_reason: FinishReason = FinishReason.STOP
     routed_experts: np.ndarray | None = None
+    sampling: dict = field(default_factory=dict)
+    """temperature / top_p of its requests (an eval set's); empty: the engine's."""
 
     def sample(self, reward: float, group_id: int, index: int, multi_turn: bool = False) -> Sample:
         """The finished episode as the rollout's sample; `multi_turn`: with which tokens the model
@@ -89,14 +91,19 @@ class Episode:
                       text=self.last_turn, routed_experts=self.routed_experts, **turns)
 
 
-def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfig, max_tokens: int) -> list[list[Episode]]:
+def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfig, max_tokens: int,
+                 sampling: dict | None = None) -> list[list[Episode]]:
     """`n` episodes per problem (problem i's seeds `seeds[i]` .. + n - 1), each to its end; returns
-    them grouped by problem, in sample order."""
+    them grouped by problem, in sample order. `sampling`: temperature / top_p for every turn's request
+    (default: the engine's)."""
     tokenizer = engine.tokenizer
     groups = []
     for problem, seed in zip(problems, seeds):
         environments = [make_environment(env) for _ in range(n)]  # one per episode: it may hold state
-        groups.append([Episode(e.reset(problem), seed + j, e) for j, e in enumerate(environments)])
+        for e in environments:
+            e.reset(problem)
+        prompt = list(problem.prompt_ids) if problem.prompt_ids is not None else problem.prompt
+        groups.append([Episode(prompt, seed + j, e, sampling=sampling or {}) for j, e in enumerate(environments)])
     running: dict[str, list[Episode]] = {}  # request -> its episodes (a group's n at turn 0, then one)
     waiting: dict[futures.Future, Episode] = {}
     workers = futures.ThreadPoolExecutor(max_workers=max(1, min(32, n * len(problems))),
@@ -140,11 +147,12 @@ def _start_turn(engine, episodes: list[Episode], max_tokens: int, running: dict)
         first.finish_reason = FinishReason.LENGTH
         return
     seed = first.seed if first.turns == 0 else (first.seed * 1_000_003 + first.turns) % SEED_MOD
-    # Turn 0 hands vLLM the text, tokenized as LLM.generate does; later turns the exact tokens so far.
+    # Turn 0 hands vLLM the prompt's tokens (or a text, tokenized as LLM.generate does); later turns the
+    # exact tokens so far.
     prompt = first.prompt if first.turns == 0 else first.prompt + first.token_ids
     request_id = f"rltools-{next(_ids)}"
     engine.submit(request_id, prompt, n=len(episodes), seed=seed, max_tokens=budget,
-                  stop=list(first.environment.stop) or None)
+                  stop=list(first.environment.stop) or None, **first.sampling)
     running[request_id] = episodes
 
 

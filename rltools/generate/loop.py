@@ -12,22 +12,17 @@ of every untrained step, including steps it has already passed. When the weight-
 (trainer rank 0 lost an engine or one joins) it joins the group's next generation and goes on.
 """
 
-import json
 import logging
 import os
 import time
 from pathlib import Path
 
-import numpy as np
-
 from ..config import load_config
-from ..data.tasks import make_task
-from ..durable import append_line, atomic_write
+from ..data.eval_sets import EvalSets, eval_sets
+from ..data.tasks import load_tokenizer, make_task
 from ..errors import UserError
-from ..eval.metrics import summarize
-from ..metrics import write_scalars
 from ..paths import RunPaths
-from ..rollout import FinishReason, RolloutBatch, RolloutStore, Sample
+from ..rollout import RolloutBatch, RolloutStore, Sample
 from ..runtime import faults
 from ..runtime.address import published_attempt
 from ..runtime.fleet import FleetRecord, Heartbeat
@@ -38,12 +33,14 @@ from ..runtime.roles import (
     eval_due,
     group_id,
     prompt_share,
+    sends_start_policy,
     slots,
     sync_backend,
     sync_rank_base,
     sync_workers,
 )
 from ..weight_formats import weight_format
+from .evaluation import evaluate, record_eval
 from .supervisor import ENGINE, JOINED
 from .vllm_engine import GroupBroken, GroupDropped, VLLMEngine, request_seed
 
@@ -55,14 +52,16 @@ def run_generator(run_dir: str) -> None:
     paths = RunPaths(run_dir)
     config = load_config(paths.config)
     generator_signals(config.cluster.preempt_signal)
-    task = make_task(config.data, config.reward, config.run.seed)
+    task = make_task(config.data, config.reward, config.run.seed, config.model.path, load_tokenizer(config.model.path))
+    sets = eval_sets(config.eval, config.data, config.reward, config.generator, task)
     try:
-        generate(env, paths, config, task)
+        generate(env, paths, config, task, sets)
     finally:
+        sets.close()
         task.reward.close()
 
 
-def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
+def generate(env: RoleEnv, paths: RunPaths, config, task, sets: EvalSets) -> None:
     engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config),
                         routing_replay=config.algorithm.routing_replay)
     attempt = env.attempt
@@ -81,15 +80,16 @@ def generate(env: RoleEnv, paths: RunPaths, config, task) -> None:
     schedule = config.schedule
     # Joined: trainer rank 0 has resumed (checkpoint loaded, unusable shards deleted) before hosting.
     start = paths.latest_checkpoint()
-    weights = Weights(engine, task, config, paths, version=start - 1 if start else 0)
+    sent = sends_start_policy(config, start)  # the checkpoint's policy, or lora.init_from's at step 0
+    weights = Weights(engine, sets, config, paths, version=start - 1 if sent else 0)
     # mid-run: a lost engine's replacement (`supervisor`), or an engine of a join job
     arriving = int(os.environ.get(ENGINE, "0")) > 0 or env.joined
-    if start or arriving:  # the checkpoint's (or the run's current) policy, before any sampling
+    if sent or arriving:  # the checkpoint's (or the run's current) policy, before any sampling
         initial = weights.version
         while weights.version == initial or weights.dirty:  # until one arrived whole (the group may re-form)
-            weights.receive(with_eval=False)
+            weights.receive(with_eval=not start and not arriving)  # lora.init_from's version 0 is evaluated
     elif engine.writes_files:  # the first engine evaluates
-        record_eval(paths, evaluate(engine, task, config), 0)
+        record_eval(paths, evaluate(engine, sets, config.env, config.run.seed), 0)
     if arriving:  # the steps before it had slots are trained already
         record = FleetRecord.read(paths)
         start = max(start, record.assignments[-1][0] if record else 0)
@@ -156,8 +156,8 @@ class Weights:
     """This engine's policy version and its weight-sync membership: `receive` loads the next version,
     and when the group broke (trainer rank 0 lost an engine, or one joins) joins its next generation."""
 
-    def __init__(self, engine: VLLMEngine, task, config, paths: RunPaths, version: int):
-        self.engine, self.task, self.config, self.paths = engine, task, config, paths
+    def __init__(self, engine: VLLMEngine, sets: EvalSets, config, paths: RunPaths, version: int):
+        self.engine, self.sets, self.config, self.paths = engine, sets, config, paths
         self.version = version
         self.dirty = False
         """A message broke off after part of it was loaded (full, adapted): sample nothing before the next."""
@@ -178,7 +178,7 @@ class Weights:
             return
         log.info("policy version %d loaded in %.3f s, logprob gap to the trainer %.2e", version, seconds, gap)
         if with_eval and engine.writes_files and eval_due(self.config, version):  # the first engine evaluates
-            record_eval(self.paths, evaluate(engine, self.task, self.config), version)
+            record_eval(self.paths, evaluate(engine, self.sets, self.config.env, self.config.run.seed), version)
 
     def _rejoin(self, err: GroupBroken) -> None:
         log.warning("the weight-sync group broke (%s): joining its next generation", err)
@@ -240,39 +240,3 @@ def probe(engine: VLLMEngine, paths: RunPaths, version: int) -> float:
     gap = float("nan") if probe is None else probe_gap(probe[1], engine.probe_logprobs(probe[0]))[0]
     engine.report_gap(gap, version)
     return gap
-
-
-def evaluate(engine: VLLMEngine, task, config, k: int | None = None, count: int | None = None) -> dict:
-    """avg@k, pass@k and token statistics on the held-out problems with the engine's current weights.
-
-    Sampling seeds depend only on (run seed, problem index, k): the same policy gives the same
-    result here, during training, and in `rltools eval`.
-    """
-    k = k or config.eval.k
-    problems = task.eval_problems(count or config.eval.problems)
-    start = time.perf_counter()
-    groups = engine.sample(problems, n=k, seeds=[request_seed(config.run.seed, -1, i, k) for i in range(len(problems))],
-                           env=config.env)
-    completions = [e for group in groups for e in group]
-    scores = task.reward.score([c.last_turn for c in completions], [p.answer for p in problems for _ in range(k)])
-    correct = np.array(scores).reshape(len(problems), k) > 0.5
-    tokens = np.array([len(c.token_ids) for c in completions])
-    truncated = float(np.mean([c.finish_reason == FinishReason.LENGTH for c in completions]))
-    tools = {}
-    if config.env.type == "tools":  # how often the policy reached for its tools, and how often they failed
-        calls = sum(c.tool_calls for c in completions)
-        tools = {"tool_call_rate": round(float(np.mean([c.tool_calls > 0 for c in completions])), 4),
-                 "tool_error_rate": round(sum(c.tool_errors for c in completions) / calls, 4) if calls else 0.0}
-    return {**summarize(correct, tokens), "truncated_fraction": round(truncated, 4), **tools,
-            "seconds": round(time.perf_counter() - start, 2)}
-
-
-def record_eval(paths: RunPaths, summary: dict, version: int) -> None:
-    """-> eval/step_<version>.json (atomically) and one line of eval.jsonl."""
-    summary = {"step": version, **summary}
-    paths.eval_dir.mkdir(exist_ok=True)
-    atomic_write(paths.eval_result(version), json.dumps(summary))
-    line = {key: value for key, value in summary.items() if key != "per_problem_accuracy"}
-    append_line(paths.eval_log, json.dumps({**line, "time": time.time()}))
-    write_scalars(paths, version, line, prefix="eval")
-    log.info("eval at policy version %d: avg@%d %.3f +- %.3f", version, summary["k"], summary["avg_at_k"], summary["stderr"])

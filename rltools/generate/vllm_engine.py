@@ -216,13 +216,15 @@ class VLLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], n: int, seed: int, max_tokens: int,
-               stop: list[str] | None) -> None:
+               stop: list[str] | None, temperature: float | None = None, top_p: float | None = None) -> None:
         """Queue one request of `n` samples: a prompt text (tokenised as LLM.generate does) or token
-        ids, sampled at the generator's temperature and top_p with the adapter being served."""
+        ids, sampled at `temperature` and `top_p` (default: the generator's) with the adapter being served."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(n=n, temperature=self.config.temperature, top_p=self.config.top_p,
+        temperature = self.config.temperature if temperature is None else temperature
+        top_p = self.config.top_p if top_p is None else top_p
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                 max_tokens=max_tokens, logprobs=0, seed=seed, stop=stop,
                                 include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)
         inputs = prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
@@ -247,15 +249,19 @@ class VLLMEngine:
     def abort(self, request_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(list(request_ids))
 
-    def sample(self, problems: list, n: int, seeds: list[int], env=None, max_tokens: int | None = None) -> list[list[Episode]]:
+    def sample(self, problems: list, n: int, seeds: list[int], env=None, max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None) -> list[list[Episode]]:
         """`n` episodes of each problem (or prompt text) in environment `env` (an EnvConfig; default:
         single turn), problem i's seeded `seeds[i]` .. + n - 1 (`request_seed`); see `generate.episodes`.
-        Returns them grouped by problem, in sample order."""
+        Sampled at `temperature` / `top_p` (default: the generator's). Returns them grouped by problem,
+        in sample order."""
         from ..config.schema import EnvConfig
         from ..data.arithmetic import Problem
 
         problems = [Problem(p, "") if isinstance(p, str) else p for p in problems]
-        return run_episodes(self, problems, n, seeds, env or EnvConfig(), max_tokens or self.config.max_new_tokens)
+        sampling = {key: value for key, value in (("temperature", temperature), ("top_p", top_p)) if value is not None}
+        return run_episodes(self, problems, n, seeds, env or EnvConfig(), max_tokens or self.config.max_new_tokens,
+                            sampling)
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """The served policy's log-probability of each token of `token_ids` after the ones before it

@@ -15,22 +15,26 @@ from ..weight_formats import weight_format
 
 def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None, problems: int | None = None,
              paths: RunPaths | None = None) -> dict:
-    """Evaluate policy `checkpoint` (base, latest, step_N) of the run at `paths` (default: config.run.dir);
-    k and problems default to eval.k and eval.problems. Returns the summary (keys avg_at_k, stderr, k,
-    pass_at_k, pass_at_1, n_problems, per_problem_accuracy, token statistics, checkpoint, step)."""
+    """Evaluate policy `checkpoint` (base, latest, step_N) of the run at `paths` (default: config.run.dir)
+    on every eval set; k and problems override each set's. Returns {"checkpoint", "step", "sets": {name:
+    summary}} (a summary's keys: avg_at_k, stderr, k, pass_at_k, maj_at_k, n_problems,
+    per_problem_accuracy, token statistics, sampling)."""
     policy = resolve_checkpoint(paths or RunPaths(config.run.dir), checkpoint)
     for name, value in config.cluster.environment.items():  # the environment the run's roles had
         os.environ.setdefault(name, value)
-    from ..data.tasks import make_task
-    from ..generate.loop import evaluate
+    from ..data.eval_sets import eval_sets
+    from ..data.tasks import load_tokenizer, make_task
+    from ..generate.evaluation import evaluate
 
-    task = make_task(config.data, config.reward, config.run.seed)
+    task = make_task(config.data, config.reward, config.run.seed, config.model.path, load_tokenizer(config.model.path))
+    sets = eval_sets(config.eval, config.data, config.reward, config.generator, task, k=k, count=problems)
     try:
         engine = open_policy(config, policy)
-        summary = evaluate(engine, task, config, k=k, count=problems)
+        results = evaluate(engine, sets, config.env, config.run.seed)
     finally:
+        sets.close()
         task.reward.close()
-    return {"checkpoint": policy.name, "step": policy.step, **summary}
+    return {"checkpoint": policy.name, "step": policy.step, "sets": results}
 
 
 def open_policy(config: RLConfig, policy: Policy):

@@ -11,9 +11,10 @@ data files the roles will read (problems, keys, answers, templates). The checks 
 import json
 from pathlib import Path
 
-from ..config.schema import RLConfig
+from ..config.schema import RLConfig, path_kind
 from ..errors import UserError
 from ..weight_formats import weight_format
+from ..adapter_init import check_init_adapter
 from .memory import check_memory
 from .model_size import safetensors_header
 
@@ -33,8 +34,9 @@ def preflight(config: RLConfig) -> list[str]:
     check_nvfp4_serving(config)
     if ("model.path", config.model.path) not in hidden:
         check_model(config)
-    check_data(config, skip={path for _, path in hidden})
-    return notes
+    if ("lora.init_from", config.lora.init_from) not in hidden:
+        check_init_adapter(config.lora)
+    return notes + check_data(config, skip={path for _, path in hidden})
 
 
 def check_model(config: RLConfig) -> dict:
@@ -73,6 +75,8 @@ def _paths(config: RLConfig) -> list[tuple[str, str]]:
     paths = [("model.path", config.model.path)]
     if config.data.type in ("jsonl", "parquet"):
         paths += [("data.train_path", str(config.data.train_path)), ("data.eval_path", str(config.data.eval_path))]
+    if config.lora.init_from is not None:
+        paths.append(("lora.init_from", config.lora.init_from))
     return paths
 
 
@@ -206,18 +210,37 @@ def weight_modules(path: Path) -> set[str]:
     return modules
 
 
-def check_data(config: RLConfig, skip: set[str] = frozenset()) -> None:
-    """Parse the problem files as the generators will (the same function): a bad line stops the
-    launch here, with its file and line named, instead of after the job started. Files in `skip`
-    (not visible from this node) are left to the job."""
-    data = config.data
-    if data.type not in ("jsonl", "parquet"):
-        return
-    from ..data.files import load_problems
-    from ..reward.verifiers import INTEGER_TYPES
+def check_data(config: RLConfig, skip: set[str] = frozenset()) -> list[str]:
+    """Parse the problem files and render their first prompt as the generators will (the same
+    functions): a bad line stops the launch here, with its file and line named, instead of after the
+    job started. Files in `skip` (not visible from this node) are left to the job. Returns notes: the
+    data format when it was inferred, and the first prompt as the model will see it."""
+    from ..data import arithmetic
+    from ..data.prompts import prompt_format
+    from ..data.tasks import file_problems
 
-    for path in dict.fromkeys((data.train_path, data.eval_path)):
-        if str(path) in skip:
-            continue
-        load_problems(path, data.type, data.prompt_key, data.answer_key, data.prompt_template, data.dedupe,
-                      config.reward.type in INTEGER_TYPES)
+    data = config.data
+    fmt = None if str(config.model.path) in skip else prompt_format(data, config.model.path)
+    notes = []
+    if data.type in arithmetic.FAMILIES:
+        question = arithmetic.problems(config.run.seed, "eval", 1, data.type)[0].prompt
+        first = fmt.render(question) if fmt else question
+    else:
+        if any(str(path) in skip for path in (data.train_path, data.eval_path)):
+            return notes
+        train, _ = file_problems(data, config.reward.type, fmt)
+        first = train[0].prompt
+        if path_kind(str(data.train_path)) == data.type:  # the name says it (data.type may be left out)
+            notes.append(f"data.type {data.type}, by data.train_path's name ({data.train_path}): "
+                         f"{len(train)} training problems")
+    if fmt is None:
+        notes.append(f"the first prompt (not rendered: model.path is not visible here): {first!r:.400}")
+    else:
+        how = f"chat template {fmt.source}" if fmt.chat else f"raw text through data.prompt_template {fmt.prompt_template!r}"
+        notes.append(f"the first prompt as the model sees it ({how}):\n{_indent(first)}")
+    return notes
+
+
+def _indent(text: str, limit: int = 1500) -> str:
+    shown = text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
+    return "\n".join("    " + line for line in shown.splitlines() or [""])

@@ -9,9 +9,9 @@ import os
 import sys
 from collections import deque
 
-from ..config.schema import RLConfig
+from ..config.schema import HELD_OUT, RLConfig
 from ..paths import RunPaths
-from .records import eval_files, parse_records, read_evals, read_json
+from .records import eval_files, parse_records, read_evals, read_json, set_results
 
 
 class Progress:
@@ -25,7 +25,7 @@ class Progress:
     """
 
     def __init__(self, config: RLConfig, paths: RunPaths, quiet: bool = False):
-        self.paths, self.steps, self.k, self.quiet = paths, config.schedule.steps, config.eval.k, quiet
+        self.paths, self.steps, self.quiet = paths, config.schedule.steps, quiet
         self.tty = sys.stderr.isatty()
         self.inode, self.offset, self.printed = None, 0, False
         self.recent = deque(maxlen=20)  # (step, time) of the latest records: the ETA's pace
@@ -78,9 +78,11 @@ class Progress:
             return
         evals = read_evals(self.paths)
         if 0 in evals and self.steps in evals:
-            before, after = evals[0]["avg_at_k"], evals[self.steps]["avg_at_k"]
-            _print(f"\nheld-out avg@{self.k}: {before:.3f} before -> {after:.3f} after {self.steps} steps "
-                   f"({100 * (after - before):+.1f} points)")
+            before, after = set_results(evals[0]), set_results(evals[self.steps])
+            for name in (n for n in after if n in before):
+                a, b = before[name]["avg_at_k"], after[name]["avg_at_k"]
+                _print(f"\n{_label(name)} avg@{after[name]['k']}: {a:.3f} before -> {b:.3f} after {self.steps} steps "
+                       f"({100 * (b - a):+.1f} points)")
         _print(f"run directory: {self.paths.root}")
 
     def _new_records(self) -> list[dict]:
@@ -145,8 +147,18 @@ def step_line(done: int, total: int, m: dict | None = None, timings: bool = Fals
 
 
 def eval_line(step: int, result: dict) -> str:
-    return (f"eval after {step} steps: avg@{result['k']} {result['avg_at_k']:.3f} "
-            f"(+- {result['stderr']:.3f}, {result['n_problems']} problems)")
+    """One line per eval set: avg@k +- stderr, problems, maj@k where the verifier extracts answers."""
+    lines = []
+    for name, s in set_results(result).items():
+        where = "" if name == HELD_OUT else f", {name}"
+        majority = f", maj@{s['k']} {s['maj_at_k']:.3f}" if "maj_at_k" in s else ""
+        lines.append(f"eval after {step} steps{where}: avg@{s['k']} {s['avg_at_k']:.3f} (+- {s['stderr']:.3f}, "
+                     f"{s['n_problems']} problems{majority})")
+    return "\n".join(lines)
+
+
+def _label(name: str) -> str:
+    return "held-out" if name == HELD_OUT else name
 
 
 def _print(text: str, end: str = "\n") -> None:

@@ -7,6 +7,7 @@ skipped, never an error, so a reader works on a running, failed or finished run 
 import json
 from pathlib import Path
 
+from ..config.schema import HELD_OUT
 from ..paths import RunPaths
 
 
@@ -40,8 +41,19 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def set_results(result: dict) -> dict[str, dict]:
+    """An eval result's summaries by set name, the headline first (a result written before eval sets
+    existed is one summary: the held-out set's)."""
+    return result["sets"] if "sets" in result else {HELD_OUT: result}
+
+
+def headline(result: dict) -> tuple[str, dict]:
+    """The first set's name and summary: the run's headline evaluation."""
+    return next(iter(set_results(result).items()))
+
+
 def read_evals(paths: RunPaths) -> dict[int, dict]:
-    """Held-out results by step, oldest first."""
+    """Evaluation results by step, oldest first (`set_results` reads each)."""
     found = {step: read_json(paths.eval_result(step)) for step in sorted(eval_files(paths))}
     return {step: result for step, result in found.items() if result is not None}
 

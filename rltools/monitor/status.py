@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import load_config
+from ..config.schema import HELD_OUT
 from ..errors import UserError
 from ..launch.run_lock import is_held
 from ..launch.slurm import ACTIVE, job_state
@@ -21,7 +22,7 @@ from ..runtime.fleet import LEFT, FleetRecord, joined_engines
 from ..runtime.preempt import EXIT_STOPPED
 from .logs import failing_log_tail
 from .progress import eta, step_line
-from .records import read_evals, read_json, read_metrics
+from .records import read_evals, read_json, read_metrics, set_results
 
 COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
 UNSEEN_S = 120.0  # a submitted job squeue has not shown by then is not going to appear
@@ -57,9 +58,9 @@ class RunStatus:
     eta_s: float | None
     """Seconds left at the pace of the last 20 steps; None with fewer than two timed steps."""
     eval_k: int
-    """The k of the held-out avg@k (`eval.k`)."""
+    """The k of the headline avg@k (the first eval set's)."""
     evals: dict[int, float]
-    """Held-out avg@k by the steps done when it was measured, oldest first."""
+    """The headline avg@k (the first eval set's) by the steps done when it was measured, oldest first."""
     checkpoint: int
     """Steps done by the latest valid checkpoint; 0 when there is none."""
     staleness: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -74,6 +75,9 @@ class RunStatus:
     """The component whose role failed first ("generators" or "trainers"), when the run failed."""
     log_tail: str | None = None
     """The end of that component's task log that shows the error."""
+    eval_sets: dict[str, dict] = dataclasses.field(default_factory=dict)
+    """Every eval set, in config order: {name: {"k", "avg_at_k": {step: value}, "stderr": {step: value},
+    "maj_at_k": {step: value} (verifiers that extract answers)}}."""
 
     def to_json(self) -> dict:
         """The plain dict that `rltools status --json` prints."""
@@ -106,10 +110,11 @@ def run_status(paths: RunPaths) -> RunStatus:
         last_metrics=metrics[-1] if metrics else None,
         eta_s=eta([(m["step"], m.get("time")) for m in metrics[-20:]], config.schedule.steps),
         eval_k=config.eval.k,
-        evals={step: result["avg_at_k"] for step, result in read_evals(paths).items()},
+        evals={},
         checkpoint=paths.latest_checkpoint(),
         staleness=dict(sorted(Counter(m["staleness"] for m in metrics if "staleness" in m).items())),
     )
+    _read_eval_sets(status, read_evals(paths))
     status.resumed = read_json(paths.resumed)
     fleet = FleetRecord.read(paths)
     if fleet is not None:
@@ -123,6 +128,19 @@ def run_status(paths: RunPaths) -> RunStatus:
     if attempts:
         _read_exits(status, paths, attempts[-1])
     return status
+
+
+def _read_eval_sets(status: RunStatus, evals: dict[int, dict]) -> None:
+    for step, result in evals.items():
+        for name, summary in set_results(result).items():
+            entry = status.eval_sets.setdefault(name, {"k": summary["k"], "avg_at_k": {}, "stderr": {}})
+            entry["k"] = summary["k"]
+            entry["avg_at_k"][step], entry["stderr"][step] = summary["avg_at_k"], summary["stderr"]
+            if "maj_at_k" in summary:
+                entry.setdefault("maj_at_k", {})[step] = summary["maj_at_k"]
+    if status.eval_sets:
+        first = next(iter(status.eval_sets.values()))
+        status.eval_k, status.evals = first["k"], dict(first["avg_at_k"])
 
 
 def engine_pool(fleet: FleetRecord, joined: dict[int, dict], configured: int) -> list[dict]:
@@ -195,8 +213,12 @@ def format_status(status: RunStatus) -> str:
                      ", ".join(f"k={k} {n}" for k, n in status.staleness.items()))
     if status.state not in ACTIVE | {"UNKNOWN", "COMPLETED"}:
         lines.append(f"continue with: rltools resume {status.run_dir}")
-    if status.evals:
-        lines.append(f"held-out avg@{status.eval_k}: " + ", ".join(f"step {s} {v:.3f}" for s, v in sorted(status.evals.items())))
+    for name, entry in status.eval_sets.items():
+        label = "held-out" if name == HELD_OUT else f"eval {name}"
+        majority = entry.get("maj_at_k", {})
+        lines.append(f"{label} avg@{entry['k']}: " + ", ".join(
+            f"step {s} {v:.3f}" + (f" (maj {majority[s]:.3f})" if s in majority else "")
+            for s, v in sorted(entry["avg_at_k"].items())))
     if status.failed_component:
         lines.append(f"the {status.failed_component} component failed first; the end of its log:")
         lines.append(status.log_tail)

@@ -57,6 +57,14 @@ def group_id(config: RLConfig, step: int, prompt_index: int, draw: int = 0) -> i
     return (draw * config.schedule.steps + step) * config.schedule.prompts_per_step + prompt_index
 
 
+def sends_start_policy(config: RLConfig, start: int) -> bool:
+    """Whether trainer rank 0 broadcasts policy version `start` (the steps its checkpoint holds)
+    before it trains, and the generators take it before they sample: after a resume, and at step 0
+    when `lora.init_from` gave the adapters their values (version 0 is then not the base model the
+    generators loaded)."""
+    return bool(start) or config.lora.init_from is not None
+
+
 def eval_due(config: RLConfig, version: int) -> bool:
     """Whether policy version `version` (= optimizer steps done) is evaluated on the held-out set and
     exported to weights/step_<version>: before training, every schedule.eval_every steps, at the end."""

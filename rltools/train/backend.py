@@ -39,12 +39,23 @@ class Backend(abc.ABC):
 
     checkpoints: ClassVar[ModuleType]
     """The backend's `save(paths, step, model, optimizer, *, rank, keep)` and `load(...)`, which map
-    its model onto the one checkpoint layout (rltools.train.checkpoints)."""
+    its model onto the one checkpoint layout (rltools.train.checkpoints): the trainable weights and
+    their AdamW state; the step in its meta is the learning-rate schedule's clock."""
 
     def save(self, paths, step: int, keep: int) -> Path:
         """Checkpoint after `step` steps (model and optimizer), keeping the newest `keep`; a collective."""
         return self.checkpoints.save(paths, step, self.model, self.trainer.optimizer, rank=self.rank, keep=keep)
 
     def load(self, paths, step: int) -> dict:
-        """Restore the checkpoint of `step`; returns its meta; a collective."""
-        return self.checkpoints.load(paths, step, self.model, self.trainer.optimizer, rank=self.rank)
+        """Restore the checkpoint of `step` and the learning-rate schedule's clock (the steps it holds:
+        `lr_schedule` needs nothing else); returns its meta; a collective."""
+        meta = self.checkpoints.load(paths, step, self.model, self.trainer.optimizer, rank=self.rank)
+        self.trainer.steps_done = meta["step"]
+        return meta
+
+    @abc.abstractmethod
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the LoRA adapters from `tensors` (PEFT name as in a saved adapter -> full tensor, e.g.
+        adapter_model.safetensors as `train.loop.init_adapters` reads it); adapters it has no tensor
+        for keep their values. Each rank keeps its part; a KeyError or ValueError names a tensor the
+        model cannot take."""

@@ -27,5 +27,6 @@ BACKENDS = {"fsdp2": _fsdp2, "megatron": _megatron}
 def build_backend(config, env, device: torch.device, pad_id: int) -> Backend:
     """This trainer rank's `trainer.backend` (after the trainers' process group exists)."""
     trainer_args = dict(micro_batch_size=config.trainer.micro_batch_size, max_new_tokens=config.generator.max_new_tokens,
-                        pad_id=pad_id, device=device, temperature=config.generator.temperature)
+                        pad_id=pad_id, device=device, temperature=config.generator.temperature,
+                        total_steps=config.schedule.steps)
     return BACKENDS[config.trainer.backend]().build(config, env, trainer_args)

@@ -3,7 +3,7 @@ FSDP2 over two or more trainer ranks; one rank runs it unsharded."""
 
 from . import checkpoints
 from .backend import Backend, Tensors
-from .model import export_adapter, export_weights, load_policy
+from .model import export_adapter, export_weights, load_adapter, load_policy
 from .trainer import Trainer
 
 
@@ -23,3 +23,6 @@ class FSDP2Backend(Backend):
 
     def export_adapter(self) -> Tensors:
         return export_adapter(self.model)
+
+    def load_adapter(self, tensors) -> None:
+        load_adapter(self.model, tensors)

@@ -12,12 +12,15 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .. import policy_exports
+from ..adapter_init import check_init_adapter
 from ..config import load_config
+from ..config.schema import LoraConfig
 from ..durable import atomic_write
 from ..metrics import append_metrics, resume_metrics
 from ..paths import RunPaths
@@ -26,7 +29,8 @@ from ..runtime import faults
 from ..runtime.address import publish_address, wait_for_address
 from ..runtime.preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..runtime.role_env import RoleEnv
-from ..runtime.roles import eval_due, gpu_index, slots
+from ..runtime.roles import eval_due, gpu_index, sends_start_policy, slots
+from ..weight_formats import ADAPTER_WEIGHTS
 from ..weight_sync import bound_store
 from . import checkpoints
 from .backend import Backend
@@ -63,8 +67,8 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
     try:
         _agree_to_stop(stop, env)  # a warning during start-up: requeue now rather than start a step
         publisher = Publisher(env, paths, config, backend, stop)
-        if done:
-            publisher.send(done)  # generators take the checkpoint's weights before generating anything
+        if sends_start_policy(config, done):
+            publisher.send(done)  # generators take the checkpoint's (or lora.init_from's) weights before generating
         stop.starting = False  # from here on a signal is answered with a checkpoint
         for step in range(done, schedule.steps):
             begin = time.perf_counter()
@@ -117,7 +121,8 @@ def _rate(tokens: int, batch: RolloutBatch) -> float:
 
 
 def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: RolloutStore) -> int:
-    """Load the newest checkpoint that verifies, if any; returns the steps it holds (0: a fresh start).
+    """Load the newest checkpoint that verifies, if any; returns the steps it holds (0: a fresh start,
+    whose adapters come from lora.init_from when it is set).
 
     Trainer rank 0 first deletes what a crash left behind (unfinished checkpoints), sets damaged
     checkpoints aside, and, once the checkpoint is known, drops the metrics and evaluations of steps
@@ -135,6 +140,8 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
     if start:
         backend.load(paths, start)
         log.info("resumed from %s: %d of %d steps done", paths.checkpoint_dir(start), start, config.schedule.steps)
+    elif config.lora.init_from is not None:
+        init_adapters(config.lora, backend)
     if env.rank == 0:
         resume_metrics(paths, start)
         policy_exports.drop_after(paths, start)
@@ -147,6 +154,16 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
         atomic_write(paths.resumed, json.dumps({"step": start, "set_aside": notes, "time": time.time()}))
     checkpoints.barrier()
     return start
+
+
+def init_adapters(lora: LoraConfig, backend: Backend) -> None:
+    """Step 0 of a run with lora.init_from: its adapters start from that PEFT adapter (checked again
+    here as `submit` checked it: the job may see another file than the login node did)."""
+    from safetensors.torch import load_file
+
+    check_init_adapter(lora)
+    backend.load_adapter(load_file(str(Path(lora.init_from) / ADAPTER_WEIGHTS)))
+    log.info("adapters initialised from %s", lora.init_from)
 
 
 def wait_for_rollouts(env: RoleEnv, store: RolloutStore, step: int, slots, timeout_s: float, stop: StopFlag,

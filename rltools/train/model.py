@@ -294,6 +294,28 @@ def export_adapter(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield f"{match.group(1)}.lora_{match.group(2)}.weight", tensor
 
 
+def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Set the LoRA weights from `tensors` (PEFT names as `export_adapter` yields them; each rank copies
+    the rows it holds under FSDP2); LoRA weights `tensors` lacks keep their values. A KeyError or
+    ValueError names a tensor the model has no place for."""
+    params = {}
+    for name, param in model.named_parameters():
+        match = _LORA_WEIGHT.fullmatch(_clean(name))
+        if match:
+            params[f"{match.group(1)}.lora_{match.group(2)}.weight"] = param
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise KeyError(f"the model has no LoRA weight {unknown[0]} ({len(unknown)} such); its first: {min(params)}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} where the model's is {tuple(param.shape)}")
+            local, lo, hi = local_rows(param)
+            if hi > lo:
+                local.copy_(tensor[lo:hi])
+
+
 def _full_state_dict(model: nn.Module, wanted=lambda name: True) -> dict[str, torch.Tensor]:
     """The `wanted` tensors (by clean name), whole: under FSDP2 only those are gathered, so exporting
     an adapter never holds the base model. Every rank asks for the same names in the same order."""

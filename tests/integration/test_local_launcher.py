@@ -40,8 +40,8 @@ def rewards(run_dir) -> list[float]:
 
 def test_demo_learns(learned):
     """The held-out avg@8 and the training reward both rise."""
-    before = json.loads((learned / "eval" / "step_0.json").read_text())["avg_at_k"]
-    after = json.loads((learned / "eval" / "step_150.json").read_text())["avg_at_k"]
+    before = json.loads((learned / "eval" / "step_0.json").read_text())["sets"]["held_out"]["avg_at_k"]
+    after = json.loads((learned / "eval" / "step_150.json").read_text())["sets"]["held_out"]["avg_at_k"]
     early, late = sum(rewards(learned)[:50]) / 50, sum(rewards(learned)[-50:]) / 50
     assert after > before + 0.015, f"held-out avg@8 {before:.3f} -> {after:.3f}"
     assert late > early, f"training reward {early:.3f} -> {late:.3f}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltools.data.arithmetic import problems, reward
+from rltools.data.arithmetic import model_text, problems, reward
 
 ASSET = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
 VLLM_ENV = {
@@ -58,7 +58,7 @@ def test_shipped_files_and_architecture(hf):
 
 def test_tokenizer_round_trips_exactly(hf):
     tokenizer, _ = hf
-    prompt = problems(0, "eval", 1)[0].prompt
+    prompt = model_text(problems(0, "eval", 1)[0])
     ids = tokenizer(prompt).input_ids
     assert ids[0] == tokenizer.bos_token_id and len(ids) == len(prompt) + 1  # <s>, then one id per character
     assert tokenizer.decode(ids, skip_special_tokens=True) == prompt
@@ -71,7 +71,7 @@ def test_vllm_text_stop_and_logprobs_match_transformers(llm, hf):
     from vllm import SamplingParams
 
     tokenizer, model = hf
-    prompts = [p.prompt for p in problems(0, "eval", 4)]
+    prompts = [model_text(p) for p in problems(0, "eval", 4)]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=6, logprobs=0, seed=1)
     for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert output.prompt_token_ids == tokenizer(prompt).input_ids
@@ -97,7 +97,7 @@ def test_vllm_avg_at_8_is_in_the_sanity_band(llm):
     # One seed per request: a seed shared by every request correlates the samples across problems
     # (the same random draws everywhere), which made avg@8 on 500 problems swing by 0.04.
     params = [SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=1000 + i) for i in range(len(held_out))]
-    outputs = llm.generate([p.prompt for p in held_out], params, use_tqdm=False)
+    outputs = llm.generate([model_text(p) for p in held_out], params, use_tqdm=False)
     scores = [reward(s.text, p.answer) for p, out in zip(held_out, outputs) for s in out.outputs]
     assert sum(s.finish_reason == "stop" for out in outputs for s in out.outputs) > 0.9 * len(scores)
     avg_at_8 = sum(scores) / len(scores)
@@ -108,7 +108,7 @@ def test_vllm_seeds_sample_j_of_a_request_with_seed_plus_j(llm):
     """What `request_seed` relies on: n samples under seed s are the single samples under s .. s+n-1."""
     from vllm import SamplingParams
 
-    prompt = problems(0, "eval", 1)[0].prompt
+    prompt = model_text(problems(0, "eval", 1)[0])
     grouped = llm.generate([prompt], SamplingParams(n=6, temperature=1.0, max_tokens=6, seed=100), use_tqdm=False)
     singles = llm.generate(
         [prompt] * 6, [SamplingParams(n=1, temperature=1.0, max_tokens=6, seed=100 + j) for j in range(6)], use_tqdm=False

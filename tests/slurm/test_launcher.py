@@ -48,7 +48,7 @@ def test_submitted_demo_runs_across_two_nodes(slurm, repo, tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert "submitted eval job" in evaluated.stderr
     result, recorded = json.loads(evaluated.stdout), json.loads((run_dir / "eval/step_30.json").read_text())
-    assert (result["step"], result["avg_at_k"], result["stderr"]) == (30, recorded["avg_at_k"], recorded["stderr"])
+    assert result["step"] == 30 and result["sets"] == recorded["sets"]
 
     png = tmp_path / "run.png"
     plotted = cli("plot", run_dir, "-o", png)

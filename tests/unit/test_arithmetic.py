@@ -8,6 +8,7 @@ from rltools.data.arithmetic import (
     PROMPT_SUFFIX,
     Problem,
     format_answer,
+    model_text,
     problems,
     reward,
     split_of,
@@ -16,8 +17,8 @@ from rltools.data.arithmetic import (
 
 
 def question(problem: Problem) -> str:
-    assert problem.prompt.endswith(PROMPT_SUFFIX)
-    return problem.prompt[: -len(PROMPT_SUFFIX)]
+    assert model_text(problem) == problem.prompt + PROMPT_SUFFIX and problem.prompt.endswith("?")
+    return problem.prompt
 
 
 def test_problems_are_deterministic_and_seeded():
@@ -30,10 +31,10 @@ def test_problem_lists_are_pinned():
     """The shipped model was pretrained on this stream and its accuracy measured on this eval list:
     a change to the generator or the split must be deliberate (and retrain the model)."""
     assert problems(0, "eval", 3) == [
-        Problem("What is 7*4?=", 28), Problem("What is 93+27?=", 120), Problem("What is 7*7+2?=", 51)
+        Problem("What is 7*4?", 28), Problem("What is 93+27?", 120), Problem("What is 7*7+2?", 51)
     ]
     assert train_prompts(0, 0, 1, 3) == [
-        Problem("What is 73+71?=", 144), Problem("What is 3+4?=", 7), Problem("What is 3+22?=", 25)
+        Problem("What is 73+71?", 144), Problem("What is 3+4?", 7), Problem("What is 3+22?", 25)
     ]
 
 
@@ -54,7 +55,7 @@ def test_splits_are_disjoint_and_problems_distinct():
 
 def test_problem_format_and_answers():
     for p in problems(0, "eval", 300) + train_prompts(0, 0, 0, 300):
-        assert p.prompt.startswith("What is ") and p.prompt.endswith("?" + PROMPT_SUFFIX)
+        assert p.prompt.startswith("What is ") and model_text(p).endswith("?" + PROMPT_SUFFIX)
         assert p.answer >= 0
         assert eval(question(p)[len("What is "):-1]) == p.answer  # the expression is plain Python
 

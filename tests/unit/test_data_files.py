@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -7,15 +8,24 @@ import pytest
 from rltools.config.schema import DataConfig, RewardConfig
 from rltools.data.files import load_problems
 from rltools.data.order import Cursor, DataOrder
-from rltools.data.tasks import make_task
+from rltools.data.prompts import prompt_format
+from rltools.data.tasks import make_task as make_any_task
 from rltools.errors import UserError
 from tests.unit.aime_fixture import PROBLEMS, write_jsonl
 
 TEMPLATE = "{prompt}\n\nPut your final answer within \\boxed{{}}."
+TINY = Path(__file__).resolve().parents[2] / "rltools" / "assets" / "tiny-arith"
 
 
-def load(path, kind="jsonl", integer=True, dedupe=True, template="{prompt}", prompt_key="problem", answer_key="answer"):
-    return load_problems(path, kind, prompt_key, answer_key, template, dedupe, integer)
+def make_task(data, reward, seed):
+    return make_any_task(data, reward, seed, TINY)
+
+
+def load(path, kind="jsonl", integer=True, dedupe=True, template="{prompt}", prompt_key="problem",
+         answer_key="answer", chat="none", **keys):
+    data = DataConfig(type=kind, train_path=str(path), eval_path=str(path), prompt_key=prompt_key,
+                      answer_key=answer_key, prompt_template=template, dedupe=dedupe, chat_template=chat, **keys)
+    return load_problems(path, data, prompt_format(data, TINY), integer)
 
 
 def test_jsonl_problems_with_template_and_integer_answers(tmp_path):
@@ -104,13 +114,11 @@ def test_file_task_steps_are_a_pure_function_of_the_step(tmp_path):
 def test_dynamic_sampling_replacements_are_a_pure_function_of_step_and_draw(tmp_path):
     """A restarted generator redraws the same replacements; rounds differ from the step's own
     prompts and from each other (arithmetic: other problems; files: another order of the file)."""
-    from rltools.data.tasks import ArithmeticTask
-
     write_jsonl(tmp_path / "aime.jsonl")
     data = DataConfig(type="jsonl", train_path=str(tmp_path / "aime.jsonl"), eval_path=str(tmp_path / "aime.jsonl"))
     for task, again in ((make_task(data, RewardConfig(type="boxed_integer"), seed=1),
                          make_task(data, RewardConfig(type="boxed_integer"), seed=1)),
-                        (ArithmeticTask(1, None), ArithmeticTask(1, None))):
+                        (make_task(DataConfig(), RewardConfig(), 1), make_task(DataConfig(), RewardConfig(), 1))):
         rounds = [task.replacement_problems(3, draw, 5) for draw in (1, 2)]
         assert rounds == [again.replacement_problems(3, draw, 5) for draw in (1, 2)]
         assert rounds[0] != rounds[1] and task.train_problems(3, 5) not in rounds

@@ -32,7 +32,9 @@ def python_env(monkeypatch):
 def test_the_tool_demo_string_is_an_episode():
     env = calculator()
     assert env.stop == ("</calc>",)
-    prompt = env.reset(Problem(prompt="What is 37*48?=", answer=1776))
+    problem = Problem(prompt="What is 37*48?=", answer=1776)  # as the tiny models' chat template renders it
+    env.reset(problem)
+    prompt = problem.prompt
     turn = "<calc>37*48</calc>"
     reply = env.step(turn)
     assert reply == Reply("<result>1776</result>", tool_call=True, tool_error=False)

@@ -179,6 +179,7 @@ def test_dry_run_of_aime_on_an_nvfp4_deepseek_v3_judges_both_roles(repo, tmp_pat
     (model / "config.json").write_text(json.dumps({**DEEPSEEK_V3, "quantization_config": NVFP4_MIXED}))
     (model / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")  # no tensors: sizes from config.json
     (model / "tokenizer.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # an instruct model's
     monkeypatch.setenv("RLTOOLS_AIME_MODEL", str(model))
     assert main(["submit", str(repo / "configs" / "aime.yaml"), "--dry-run"]) == 0
     err = capsys.readouterr().err

@@ -58,6 +58,28 @@ def test_a_bad_data_file_stops_the_launch_naming_its_line(repo, tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
+def test_dry_run_says_the_inferred_type_and_shows_the_first_prompt_as_the_model_sees_it(repo, tmp_path, capsys):
+    """A messages column under the tiny model's chat template: the inference is said, the first prompt
+    shown rendered; the same rows under a string prompt_template are refused naming the row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}],
+             "reward_model": {"ground_truth": 5}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    files = [f"data.train_path={tmp_path / 'train.parquet'}", f"data.eval_path={tmp_path / 'train.parquet'}",
+             "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth"]
+    argv = ["submit", str(repo / "configs" / "demo.yaml"), "--dry-run", *[a for f in files for a in ("--set", f)]]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"note: data.type parquet, by data.train_path's name ({tmp_path / 'train.parquet'}): 1 training problems" \
+        in err, err
+    assert "the first prompt as the model sees it (chat template " in err and "\n    <s>Be brief. What is 2+3?=\n" in err
+    assert submit(repo, tmp_path, *files, "data.prompt_template=Solve {prompt}") == 2
+    assert "train.parquet row 0: the prompt is a list of chat messages, which data.prompt_template 'Solve {prompt}'" \
+        in capsys.readouterr().err
+
+
 def test_a_read_only_run_directory_is_a_user_error(repo, tmp_path, capsys):
     readonly = tmp_path / "ro"
     readonly.mkdir()

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from rltools.config.schema import DataConfig, RewardConfig
 from rltools.data.tasks import make_task
 from tests.unit.aime_fixture import PROBLEMS, write_jsonl
+from tests.unit.test_prompts import TINY
 
 
 def prepare(repo, *args):
@@ -31,7 +32,7 @@ def test_jsonl_with_repeats_and_padded_answers(repo, tmp_path):
     assert "has 30 problems" in result.stderr  # the fixture is not the real set: said, not hidden
     assert [p["answer"] for p in read(out)] == [25, 1, 42, 18, 400]
     data = DataConfig(type="jsonl", train_path=str(out), eval_path=str(out))  # what configs/aime.yaml reads
-    assert [p.answer for p in make_task(data, RewardConfig(type="boxed_integer"), 0).eval] == [25, 1, 42, 18, 400]
+    assert [p.answer for p in make_task(data, RewardConfig(type="boxed_integer"), 0, TINY).eval] == [25, 1, 42, 18, 400]
 
 
 def test_csv_and_parquet_with_other_column_names(repo, tmp_path):
@@ -74,9 +75,9 @@ def test_configs_aime_reads_the_prepared_file(repo, tmp_path, monkeypatch):
     from rltools.config import load_config
 
     config = load_config(repo / "configs" / "aime.yaml")
-    task = make_task(config.data, config.reward, config.run.seed)
+    task = make_task(config.data, config.reward, config.run.seed, TINY)  # the tiny model's chat template
     problem = task.eval_problems(config.eval.problems)[0]
-    assert problem.prompt.endswith("put your final answer within \\boxed{}.") and problem.answer == 25
+    assert problem.prompt.endswith("put your final answer within \\boxed{}.=") and problem.answer == 25
     completions = ["... so $N = 25$, and the answer is $\\boxed{025}$.", "\\boxed{25.5}"]
     assert task.reward.score(completions, [problem.answer] * 2) == [1.0, 0.0]
     assert len(task.train_problems(step=0, count=config.schedule.prompts_per_step)) == config.schedule.prompts_per_step

@@ -7,7 +7,7 @@ import torch
 from ...errors import UserError
 from ..backend import Backend, Tensors
 from . import checkpoints
-from .model import export_adapter, export_weights, load_megatron_policy
+from .model import export_adapter, export_weights, load_adapter, load_megatron_policy
 from .parallel import init_parallel
 from .support import check_supported
 from .trainer import MegatronTrainer
@@ -38,6 +38,9 @@ class MegatronBackend(Backend):
 
     def export_adapter(self) -> Tensors:
         return export_adapter(self.model)
+
+    def load_adapter(self, tensors) -> None:
+        load_adapter(self.model, tensors)
 
 
 def _require_cuda() -> None:

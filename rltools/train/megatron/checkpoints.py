@@ -7,6 +7,10 @@ pipeline stage saves and loads its own layers' adapters (global layer numbers, s
 stages never collide). So a checkpoint written at one TP or PP degree resumes at any other (or on
 FSDP2); the adapters are small, so gathering them costs little. Everything else (atomic
 directories, markers, RNG, keep-last-K) is `rltools.train.checkpoints`'s.
+
+AdamW's settings (weight decay, betas, eps) are saved with the view's param groups, as FSDP2 saves
+them, but a load keeps the optimizer's own: they are the run's config, which a resume cannot change
+(`launch.run_dir.RESUMABLE`), and the learning rate is set from the schedule before every update.
 """
 
 import torch

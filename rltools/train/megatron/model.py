@@ -323,11 +323,13 @@ def export_adapter(policy: MegatronPolicy) -> TensorStream:
 
 
 def load_adapter(policy: MegatronPolicy, tensors: dict[str, torch.Tensor]) -> None:
-    """Set the adapters from full PEFT-named tensors (each TP rank keeps its shard)."""
+    """Set the adapters from full PEFT-named tensors (each TP rank keeps its shard, each pipeline
+    stage its layers'); adapters `tensors` lacks keep their values."""
     rank, size = tp_rank_size()
     with torch.no_grad():
         for name, param, dim in policy.adapter_params():
-            param.copy_(tensors[name] if dim is None else tensors[name].chunk(size, dim=dim)[rank])
+            if name in tensors:
+                param.copy_(tensors[name] if dim is None else tensors[name].chunk(size, dim=dim)[rank])
 
 
 def export_weights(policy: MegatronPolicy, lora_scale: float | None = None,
