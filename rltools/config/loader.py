@@ -70,28 +70,36 @@ def validate(raw: dict, source: str) -> RLConfig:
 
 def resolve(config: RLConfig, config_dir: Path) -> RLConfig:
     """Fill what depends on where rltools runs: absolute paths (job steps may start elsewhere) and
-    the interpreter. Relative model and data paths are relative to the config file, so a config
+    the interpreter. Relative model, data, eval set, chat template and lora.init_from paths are
+relative to the config file, so a config
     works from any directory; run.dir is relative to the current directory, like sbatch's output.
     Resolving a resolved config changes nothing."""
     run_dir = _absolute(config.run.dir or str(Path("runs") / config.run.name))
     python = config.cluster.python or sys.executable
     if os.sep in python:  # a bare name like python3 is looked up on PATH by each task
         python = _absolute(python)
-    data = config.data
     return config.model_copy(
         update={
             "run": config.run.model_copy(update={"dir": run_dir}),
             "model": config.model.model_copy(update={"path": _absolute(config.model.path, config_dir)}),
-            "data": data.model_copy(
-                update={
-                    key: _absolute(getattr(data, key), config_dir)
-                    for key in ("train_path", "eval_path")
-                    if getattr(data, key)
-                }
-            ),
+            "data": _absolute_data(config.data, config_dir),
+            "eval": config.eval.model_copy(update={"sets": {
+                name: spec.model_copy(update={"path": _absolute(spec.path, config_dir)}) if spec.path else spec
+                for name, spec in config.eval.sets.items()}}),
+            "lora": config.lora.model_copy(update={"init_from": _absolute(config.lora.init_from, config_dir)})
+            if config.lora.init_from else config.lora,
             "cluster": config.cluster.model_copy(update={"python": python}),
         }
     )
+
+
+def _absolute_data(data, config_dir: Path):
+    """The data section with its files (and a chat template file) relative to the config file."""
+    update = {key: _absolute(getattr(data, key), config_dir) for key in ("train_path", "eval_path") if getattr(data, key)}
+    update["train_mix"] = [s.model_copy(update={"path": _absolute(s.path, config_dir)}) for s in data.train_mix]
+    if data.chat_template not in ("model", "none"):
+        update["chat_template"] = _absolute(data.chat_template, config_dir)
+    return data.model_copy(update=update)
 
 
 def _absolute(path: str, base: Path | None = None) -> str:

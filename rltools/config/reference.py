@@ -8,6 +8,7 @@ when the file is out of date.
 import json
 import sys
 from pathlib import Path
+from typing import get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -43,7 +44,17 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         description = " ".join((field.description or "").split())
         cells = [f"`{key}`", type_name(annotation), default, description]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        element = _element_model(annotation)
+        if element is not None:  # a list or dict of sections: their keys, under `key[i]` / `key.<name>`
+            rows += _rows(element, f"{key}[i]" if get_origin(annotation) is list else f"{key}.<name>")
     return rows
+
+
+def _element_model(annotation) -> type[BaseModel] | None:
+    """The section type of a list[Section] or dict[str, Section] field, else None."""
+    args = get_args(annotation) if get_origin(annotation) in (list, dict) else ()
+    last = args[-1] if args else None
+    return last if isinstance(last, type) and issubclass(last, BaseModel) else None
 
 
 def update(readme: Path) -> bool:

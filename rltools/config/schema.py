@@ -69,14 +69,29 @@ def path_kind(path: str) -> str | None:
     return "dataset" if not suffix else None
 
 
+class SourceConfig(Section):
+    path: EnvPath
+    """Its problems: a .jsonl / .parquet file or a save_to_disk directory."""
+    weight: float = Field(1.0, gt=0)
+    """Its share of the training stream, relative to the other sources' weights."""
+    prompt_key: str | None = None
+    """Column of the prompt in this source; null: data.prompt_key."""
+    answer_key: str | None = None
+    """Column of the reference answer in this source; null: data.answer_key."""
+
+
 class DataConfig(Section):
     type: Literal["arithmetic", "products", "jsonl", "parquet", "dataset"] = None
     """Prompt source: generated arithmetic problems (the demo's), two-digit products (the tool demo's),
     or files: jsonl, parquet, or a `datasets` directory written by save_to_disk. null: inferred, from
-    data.train_path's name (.jsonl/.json, .parquet, a directory) when it is set, else arithmetic; each
-    data path is read by its own name's format."""
+    data.train_path's (or the first train_mix source's) name (.jsonl/.json, .parquet, a directory) when
+    it is set, else arithmetic; each data path is read by its own name's format."""
     train_path: EnvPath | None = None
     """Training problems: a .jsonl / .parquet file or a save_to_disk directory (of one split)."""
+    train_mix: list[SourceConfig] = []
+    """Several training sources mixed by weight, in place of data.train_path: each position of the
+    training stream draws its source by weight (seeded), and each source is visited in its own
+    shuffled epochs."""
     eval_path: EnvPath | None = None
     """Held-out problems for the run's evaluations (same formats); may be the training file."""
     prompt_key: str = "problem"
@@ -110,15 +125,17 @@ class DataConfig(Section):
         if not isinstance(values, dict):
             return values
         declared = values.get("type")
+        mix = [(f"train_mix[{i}].path", source.get("path") if isinstance(source, dict) else getattr(source, "path"))
+               for i, source in enumerate(values.get("train_mix") or [])]
+        given = [(key, values.get(key)) for key in ("train_path", "eval_path")] + mix
         if declared is None:
-            path = values.get("train_path")
+            key, path = next(((k, p) for k, p in given if p is not None and k != "eval_path"), ("train_path", None))
             kind = "arithmetic" if path is None else path_kind(str(path))
             if kind is None:
-                raise ValueError(f"data.train_path {path}: cannot tell its format from its name: set data.type "
+                raise ValueError(f"data.{key} {path}: cannot tell its format from its name: set data.type "
                                  "(jsonl, parquet or dataset)")
             return {**values, "type": kind}
-        for key in ("train_path", "eval_path"):
-            path = values.get(key)
+        for key, path in given:
             kind = None if path is None else path_kind(str(path))
             if declared not in ("arithmetic", "products") and kind not in (None, declared):
                 raise ValueError(f"data.{key} {path} reads as {kind}, but data.type is {declared}: remove data.type "
@@ -128,18 +145,25 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _paths_fit_the_type(self):
         if self.type in ("arithmetic", "products"):
-            given = [key for key in ("train_path", "eval_path") if getattr(self, key) is not None]
+            given = [key for key in ("train_path", "train_mix", "eval_path") if getattr(self, key)]
             if given:
                 raise ValueError(f"data.type {self.type} generates its problems, but data.{given[0]} is set: your file "
                                  "would be ignored. Remove data.type (it is inferred from the path) or the path")
             return self
+        if self.train_path is not None and self.train_mix:
+            raise ValueError("data.train_path and data.train_mix are both set: give one source as train_path, or "
+                             "every source (that one included) in train_mix")
         for key in ("train_path", "eval_path"):
-            if getattr(self, key) is None:
+            if getattr(self, key) is None and not (key == "train_path" and self.train_mix):
                 raise ValueError(
-                    f"data.type {self.type} needs data.{key} (train_path: training problems; eval_path: "
+                    f"data.type {self.type} needs data.{key} (train_path: training problems, or train_mix; eval_path: "
                     "held-out problems for avg@k, which may be the training file)"
                 )
         return self
+
+    def train_sources(self) -> list[SourceConfig]:
+        """The training sources: train_mix, or train_path as the one source."""
+        return list(self.train_mix) or [SourceConfig(path=self.train_path)]
 
 
 class RewardConfig(Section):
@@ -460,6 +484,21 @@ class RLConfig(Section):
                              f"and at most schedule.prompts_per_step ({self.schedule.prompts_per_step}): each slot "
                              "holds at least one prompt, each engine at least one slot")
         return self
+
+    def input_paths(self) -> list[tuple[str, str]]:
+        """(key, path) of every file or directory the job reads besides model.path: the data files, the
+        eval sets', a chat template file, lora.init_from."""
+        data, found = self.data, []
+        if data.type not in ("arithmetic", "products"):
+            found += [("data.train_path", data.train_path)] if data.train_path is not None else \
+                [(f"data.train_mix[{i}].path", source.path) for i, source in enumerate(data.train_mix)]
+            found.append(("data.eval_path", data.eval_path))
+        if data.chat_template not in ("model", "none"):
+            found.append(("data.chat_template", data.chat_template))
+        found += [(f"eval.sets.{name}.path", spec.path) for name, spec in self.eval.sets.items() if spec.path]
+        if self.lora.init_from is not None:
+            found.append(("lora.init_from", self.lora.init_from))
+        return [(key, str(path)) for key, path in found]
 
     @model_validator(mode="after")
     def _eval_sets_can_be_read_and_scored(self):

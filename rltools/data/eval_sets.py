@@ -83,12 +83,17 @@ def _problems(name: str, spec: EvalSetConfig, data: DataConfig, reward_type: str
             return problems, len(problems)
         problems = task.eval
     else:
-        keys = {"prompt_key": spec.prompt_key or data.prompt_key, "answer_key": spec.answer_key or data.answer_key}
-        own = data.model_copy(update=keys)
-        problems = load_problems(spec.path, own, task.prompts.format, reward_type in INTEGER_TYPES)
+        problems = set_problems(spec, data, reward_type, task.prompts.format)
         problems = task.prompts.fitting(problems, f"eval.sets.{name}.path {spec.path}")
     if count is not None and count < len(problems):
         log.warning("eval set %s: evaluating the first %d of its %d problems (eval.problems or eval.sets.%s.problems)",
                     name, count, len(problems), name)
         return problems[:count], len(problems)
     return problems, len(problems)
+
+
+def set_problems(spec: EvalSetConfig, data: DataConfig, reward_type: str, fmt) -> list[Problem]:
+    """The problems of a set with a path of its own, read with its keys (default: data's) and rendered
+    by `fmt` (None: as the rows give them)."""
+    keys = {"prompt_key": spec.prompt_key or data.prompt_key, "answer_key": spec.answer_key or data.answer_key}
+    return load_problems(spec.path, data.model_copy(update=keys), fmt, reward_type in INTEGER_TYPES)

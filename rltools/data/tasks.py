@@ -3,7 +3,7 @@
 Invariant: training problems of a step are a pure function of (seed, step), so any generator
 rank can regenerate its share after a restart; so are the replacements dynamic sampling draws
 (seed, step, draw). The step is the whole data position: a checkpoint
-records the step, and the cursor of a file task is `DataOrder.cursor_at(step, prompts_per_step)`.
+records the step, and a file task's position is step x prompts_per_step in its Mixture of sources.
 Every problem a task hands out is rendered by the run's PromptFormat and, in the job (a tokenizer
 given), tokenized: `Problem.prompt_ids` are the tokens vLLM samples from and the trainer trains on.
 """
@@ -19,7 +19,7 @@ from ..reward.verifiers import INTEGER_TYPES
 from . import arithmetic
 from .arithmetic import Problem
 from .files import load_problems
-from .order import DataOrder
+from .mixture import Mixture
 from .prompts import PromptFormat, prompt_format
 
 log = logging.getLogger("rltools.data")
@@ -77,22 +77,30 @@ class ArithmeticTask:
 
 @dataclass
 class FileTask:
-    train: list[Problem]
+    sources: list[list[Problem]]
+    """The training problems of each source (data.train_path, or data.train_mix in order)."""
+    weights: list[float]
     eval: list[Problem]
-    order: DataOrder
+    seed: int
     reward: Reward
     prompts: Prompts
 
+    def __post_init__(self):
+        self.mixture = self._mixture(self.seed)
+        self._draws: dict[int, Mixture] = {}  # kept: a mixture computes its positions once
+
+    def _mixture(self, seed: int) -> Mixture:
+        return Mixture([len(problems) for problems in self.sources], self.weights, seed)
+
     def train_problems(self, step: int, count: int) -> list[Problem]:
-        indices, _ = self.order.take(self.order.cursor_at(step, count), count)
-        return [self.train[i] for i in indices]
+        return [self.sources[s][i] for s, i in self.mixture.take(step, count)]
 
     def replacement_problems(self, step: int, draw: int, count: int) -> list[Problem]:
-        """Draw `draw` (1, 2, ...) of step `step`'s replacements: from an order of the training
-        problems of its own (the main order's next problems belong to the next steps)."""
-        order = DataOrder(len(self.train), self.order.seed * 1_000_003 + draw)
-        indices, _ = order.take(order.cursor_at(step, count), count)
-        return [self.train[i] for i in indices]
+        """Draw `draw` (1, 2, ...) of step `step`'s replacements: from a mixture of the training
+        problems of its own (the main stream's next problems belong to the next steps)."""
+        if draw not in self._draws:
+            self._draws[draw] = self._mixture(self.seed * 1_000_003 + draw)
+        return [self.sources[s][i] for s, i in self._draws[draw].take(step, count)]
 
     def eval_problems(self, count: int) -> list[Problem]:
         """The first `count` held-out problems, in file order."""
@@ -107,18 +115,31 @@ def make_task(data: DataConfig, reward: RewardConfig, seed: int, model_path: str
         if reward.type != "exact_integer":
             raise UserError(f"data.type {data.type} is scored by reward.type exact_integer, not {reward.type}")
         return ArithmeticTask(seed, make_reward(reward), prompts, data.type)
-    train, held_out = file_problems(data, reward.type, prompts.format)
-    train = prompts.fitting(train, f"data.train_path {data.train_path}")
-    held_out = train if held_out is None else prompts.fitting(held_out, f"data.eval_path {data.eval_path}")
-    return FileTask(train, held_out, DataOrder(len(train), seed), make_reward(reward), prompts)
+    sources, held_out = file_problems(data, reward.type, prompts.format)
+    specs = data.train_sources()
+    sources = [prompts.fitting(problems, f"{key} {spec.path}")
+               for (key, _), spec, problems in zip(train_keys(data), specs, sources)]
+    held_out = sources[0] if held_out is None else prompts.fitting(held_out, f"data.eval_path {data.eval_path}")
+    return FileTask(sources, [spec.weight for spec in specs], held_out, seed, make_reward(reward), prompts)
 
 
-def file_problems(data: DataConfig, reward_type: str, fmt: PromptFormat) -> tuple[list[Problem], list[Problem] | None]:
-    """The training and held-out problems of a file task, rendered (held-out None: the training file)."""
+def train_keys(data: DataConfig) -> list[tuple[str, str]]:
+    """(key, path) of each training source, as a message names it."""
+    if data.train_path is not None:
+        return [("data.train_path", str(data.train_path))]
+    return [(f"data.train_mix[{i}].path", str(spec.path)) for i, spec in enumerate(data.train_mix)]
+
+
+def file_problems(data: DataConfig, reward_type: str, fmt: PromptFormat | None) -> tuple[list[list[Problem]], list[Problem] | None]:
+    """Each training source's problems and the held-out problems of a file task, rendered (held-out None:
+    the one training file is the held-out file too)."""
     integer = reward_type in INTEGER_TYPES
-    train = load_problems(data.train_path, data, fmt, integer)
-    held_out = None if data.eval_path == data.train_path else load_problems(data.eval_path, data, fmt, integer)
-    return train, held_out
+    sources = []
+    for spec in data.train_sources():
+        keys = {"prompt_key": spec.prompt_key or data.prompt_key, "answer_key": spec.answer_key or data.answer_key}
+        sources.append(load_problems(spec.path, data.model_copy(update=keys), fmt, integer))
+    same = data.train_path is not None and data.eval_path == data.train_path
+    return sources, None if same else load_problems(data.eval_path, data, fmt, integer)
 
 
 def load_tokenizer(model_path: str | Path):

@@ -47,13 +47,12 @@ def exec_prefix(config: RLConfig, gpus: bool) -> list[str]:
 
 def mounts(config: RLConfig) -> list[str]:
     """cluster.container.mounts plus what the job reads and writes, each at its own path: the run
-    directory (read-write), the model and the data files' directories (read-only), each left out
+    directory (read-write), the model and the directories of what the job reads (`RLConfig.input_paths`:
+    data, eval sets, a chat template, lora.init_from; read-only), each left out
     where a mount already covers its path. Parents come before their children."""
     found = list(config.cluster.container.mounts)
     needed = [("run.dir", str(config.run.dir), ""), ("model.path", config.model.path, ":ro")]
-    if config.data.type in ("jsonl", "parquet"):
-        needed += [(f"data.{key}", str(PurePosixPath(getattr(config.data, key)).parent), ":ro")
-                   for key in ("train_path", "eval_path")]
+    needed += [(key, str(PurePosixPath(path).parent), ":ro") for key, path in config.input_paths()]
     for key, path, flags in needed:
         if any(_under(path, spec.split(":")[1]) for spec in found):
             continue

@@ -72,12 +72,7 @@ def _packed_fp4_generators(config: RLConfig) -> bool:
 
 
 def _paths(config: RLConfig) -> list[tuple[str, str]]:
-    paths = [("model.path", config.model.path)]
-    if config.data.type in ("jsonl", "parquet"):
-        paths += [("data.train_path", str(config.data.train_path)), ("data.eval_path", str(config.data.eval_path))]
-    if config.lora.init_from is not None:
-        paths.append(("lora.init_from", config.lora.init_from))
-    return paths
+    return [("model.path", config.model.path), *config.input_paths()]
 
 
 def check_model_dir(path: Path) -> dict:
@@ -211,30 +206,36 @@ def weight_modules(path: Path) -> set[str]:
 
 
 def check_data(config: RLConfig, skip: set[str] = frozenset()) -> list[str]:
-    """Parse the problem files and render their first prompt as the generators will (the same
-    functions): a bad line stops the launch here, with its file and line named, instead of after the
-    job started. Files in `skip` (not visible from this node) are left to the job. Returns notes: the
-    data format when it was inferred, and the first prompt as the model will see it."""
+    """Parse the problem files (training sources, held-out, eval sets) and render their first prompt as
+    the generators will (the same functions): a bad line stops the launch here, with its file and line
+    named, instead of after the job started. Files in `skip` (not visible from this node) are left to
+    the job. Returns notes: the data format as the paths' names say, and the first prompt as the model
+    will see it."""
     from ..data import arithmetic
+    from ..data.eval_sets import set_problems
     from ..data.prompts import prompt_format
-    from ..data.tasks import file_problems
+    from ..data.tasks import file_problems, train_keys
 
     data = config.data
-    fmt = None if str(config.model.path) in skip else prompt_format(data, config.model.path)
+    fmt = None if {str(config.model.path), data.chat_template} & skip else prompt_format(data, config.model.path)
     notes = []
+    for name, spec in config.eval.sets.items():
+        if spec.path is not None and str(spec.path) not in skip:
+            set_problems(spec, data, spec.reward or config.reward.type, fmt)
     if data.type in arithmetic.FAMILIES:
         question = arithmetic.problems(config.run.seed, "eval", 1, data.type)[0].prompt
         first = fmt.render(question) if fmt else question
     else:
-        if any(str(path) in skip for path in (data.train_path, data.eval_path)):
+        if any(path in skip for _, path in [*train_keys(data), ("data.eval_path", str(data.eval_path))]):
             return notes
-        train, _ = file_problems(data, config.reward.type, fmt)
-        first = train[0].prompt
-        if path_kind(str(data.train_path)) == data.type:  # the name says it (data.type may be left out)
-            notes.append(f"data.type {data.type}, by data.train_path's name ({data.train_path}): "
-                         f"{len(train)} training problems")
+        sources, _ = file_problems(data, config.reward.type, fmt)
+        first = sources[0][0].prompt
+        for (key, path), problems in zip(train_keys(data), sources):
+            if path_kind(path) == data.type:  # the name says it (data.type may be left out)
+                notes.append(f"data.type {data.type}, by {key}'s name ({path}): {len(problems)} training problems")
     if fmt is None:
-        notes.append(f"the first prompt (not rendered: model.path is not visible here): {first!r:.400}")
+        notes.append(f"the first prompt (not rendered: model.path or data.chat_template is not visible here): "
+                     f"{first!r:.400}")
     else:
         how = f"chat template {fmt.source}" if fmt.chat else f"raw text through data.prompt_template {fmt.prompt_template!r}"
         notes.append(f"the first prompt as the model sees it ({how}):\n{_indent(first)}")

@@ -152,8 +152,9 @@ def eval_line(step: int, result: dict) -> str:
     for name, s in set_results(result).items():
         where = "" if name == HELD_OUT else f", {name}"
         majority = f", maj@{s['k']} {s['maj_at_k']:.3f}" if "maj_at_k" in s else ""
+        cut = f" of {s['problems_available']}" if s.get("problems_available", 0) > s["n_problems"] else ""
         lines.append(f"eval after {step} steps{where}: avg@{s['k']} {s['avg_at_k']:.3f} (+- {s['stderr']:.3f}, "
-                     f"{s['n_problems']} problems{majority})")
+                     f"{s['n_problems']}{cut} problems{majority})")
     return "\n".join(lines)
 
 

@@ -139,6 +139,13 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     assert c.run.dir == str(work / "runs" / "t")  # like sbatch: relative to where you submit
     assert c.model.path == str(tmp_path / "models" / "m")  # relative to the config file
     assert c.cluster.python == sys.executable
+    c = load_config(write(tmp_path / "configs", "run: {name: t}\nmodel: {path: m}\nlora: {init_from: a/step_2}\n"
+                          "data: {train_mix: [{path: d/x.parquet}], eval_path: d/e.jsonl, chat_template: t.jinja}\n"
+                          "eval: {sets: {s: {path: d/s.jsonl}}}\n"))
+    configs = tmp_path / "configs"  # every file the job reads, relative to the config file
+    assert (c.data.train_mix[0].path, c.data.eval_path, c.data.chat_template) == \
+        (str(configs / "d/x.parquet"), str(configs / "d/e.jsonl"), str(configs / "t.jinja"))
+    assert (c.eval.sets["s"].path, c.lora.init_from) == (str(configs / "d/s.jsonl"), str(configs / "a/step_2"))
 
 
 def test_resolved_config_round_trips(repo, tmp_path):

@@ -82,6 +82,11 @@ def test_mounts_cover_the_data_files_once_and_parents_come_first(repo):
     data = ["data.type=jsonl", "data.train_path=/data/aime/train.jsonl", "data.eval_path=/data/aime/eval.jsonl"]
     script = render_sbatch(config(repo, "{runtime: pyxis, image: /i.sqsh, mounts: ['/scratch:/scratch']}", *data))
     assert "--container-mounts=/scratch:/scratch,/models/tiny:/models/tiny:ro,/data/aime:/data/aime:ro \\\n" in script
+    more = ["data.train_path=/data/dapo/train", "data.eval_path=/data/aime/eval.jsonl",  # a save_to_disk directory
+            "eval.sets.math.path=/sets/math500.jsonl", "data.chat_template=/templates/chat.jinja"]
+    script = render_sbatch(config(repo, "{runtime: pyxis, image: /i.sqsh}", *more))
+    assert ("--container-mounts=/templates:/templates:ro,/sets:/sets:ro,/models/tiny:/models/tiny:ro,/data/dapo:"
+            "/data/dapo:ro,/data/aime:/data/aime:ro,/scratch/runs/c:/scratch/runs/c \\\n") in script
 
 
 def test_the_submitit_paths_run_in_the_container(repo, tmp_path):

@@ -106,7 +106,8 @@ def test_file_task_steps_are_a_pure_function_of_the_step(tmp_path):
     assert [again.train_problems(step, 2) for step in reversed(range(5))] == steps[::-1]
     first_epoch = [p.answer for s in steps[:2] for p in s] + [steps[2][0].answer]
     assert sorted(first_epoch) == [1, 18, 25, 42, 400]  # every problem once per epoch
-    assert task.order.cursor_at(5, 2) == Cursor(2, 0)  # after step 4: two whole epochs, from the step alone
+    order = DataOrder(5, seed=1)  # one source: the single file's order of shuffled epochs, from the step alone
+    assert [p.answer for s in steps for p in s] == [task.sources[0][i].answer for i in order.take(Cursor(), 10)[0]]
     assert task.eval_problems(3) == task.eval[:3] and [p.answer for p in task.eval] == [25, 1, 42, 18, 400]
     assert task.reward.score(["so \\boxed{025}."], [25]) == [1.0]
 
@@ -132,3 +133,34 @@ def test_file_data_needs_both_paths():
 def test_arithmetic_needs_exact_integer():
     with pytest.raises(UserError, match="exact_integer"):
         make_task(DataConfig(), RewardConfig(type="boxed_integer"), seed=0)
+
+
+def test_a_mixture_takes_each_source_by_weight_in_its_own_epochs(tmp_path):
+    """data.train_mix: sources drawn by weight per position, a pure function of (seed, step); each source
+    in its own shuffled epochs; a source with keys of its own."""
+    from collections import Counter
+
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.parquet"
+    big.write_text("".join(json.dumps({"problem": f"big {i}", "answer": i}) + "\n" for i in range(40)))
+    pq.write_table(pa.Table.from_pylist([{"q": f"small {i}", "a": {"n": 1000 + i}} for i in range(7)]), small)
+    data = DataConfig(train_mix=[{"path": str(big), "weight": 3}, {"path": str(small), "prompt_key": "q",
+                                                                   "answer_key": "a.n"}], eval_path=str(big))
+    task, again = make_task(data, RewardConfig(type="boxed_integer"), seed=2), make_task(data, RewardConfig(), 2)
+    steps = [task.train_problems(step, 8) for step in range(50)]
+    assert [again.train_problems(step, 8) for step in reversed(range(50))] == steps[::-1]  # any order, same steps
+    drawn = [p.answer for s in steps for p in s]
+    small_share = sum(a >= 1000 for a in drawn) / len(drawn)
+    assert 0.2 < small_share < 0.3, small_share  # weight 1 of 4
+    smalls = [a for a in drawn if a >= 1000]
+    for epoch in range(len(smalls) // 7):  # every problem of the small source once per epoch of it
+        assert sorted(smalls[7 * epoch:7 * epoch + 7]) == list(range(1000, 1007))
+    assert max(Counter(a for a in drawn if a < 1000).values()) - min(Counter(a for a in drawn if a < 1000).values()) <= 1
+    assert task.replacement_problems(3, 1, 8) != task.train_problems(3, 8)
+
+
+def test_mixture_keys_that_contradict_are_refused():
+    with pytest.raises(ValueError, match="data.train_path and data.train_mix are both set"):
+        DataConfig(train_path="a.jsonl", train_mix=[{"path": "b.jsonl"}], eval_path="a.jsonl")
+    with pytest.raises(ValueError, match=r"data.train_mix\[1\].path b.jsonl reads as jsonl, but data.type is parquet"):
+        DataConfig(type="parquet", train_mix=[{"path": "a.parquet"}, {"path": "b.jsonl"}], eval_path="a.parquet")
+    assert DataConfig(train_mix=[{"path": "a.parquet"}, {"path": "b.jsonl"}], eval_path="e.jsonl").type == "parquet"

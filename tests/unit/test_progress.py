@@ -65,3 +65,14 @@ def test_step_lines_carry_the_time_left_at_the_recent_pace(repo, tmp_path, capsy
     progress.update()
     last = shown(capsys)[-1]
     assert "eta" not in last and "(+2.5s generators busy)" in last, last
+
+
+def test_eval_lines_show_each_set_and_a_cut_set_s_size():
+    from rltools.monitor.progress import eval_line
+
+    summary = {"k": 8, "avg_at_k": 0.25, "stderr": 0.01, "n_problems": 30, "problems_available": 30, "maj_at_k": 0.3}
+    greedy = {"k": 1, "avg_at_k": 0.5, "stderr": 0.02, "n_problems": 256, "problems_available": 1319}
+    assert eval_line(4, {"step": 4, "sets": {"aime": summary, "gsm8k": greedy}}) == (
+        "eval after 4 steps, aime: avg@8 0.250 (+- 0.010, 30 problems, maj@8 0.300)\n"
+        "eval after 4 steps, gsm8k: avg@1 0.500 (+- 0.020, 256 of 1319 problems)")
+    assert eval_line(0, {"step": 0, "sets": {"held_out": summary}}).startswith("eval after 0 steps: avg@8 0.250")

@@ -122,7 +122,8 @@ def test_long_prompts_are_dropped_and_counted_never_cut(tmp_path, caplog):
     data = DataConfig(train_path=str(tmp_path / "p.jsonl"), eval_path=str(tmp_path / "p.jsonl"), max_prompt_tokens=20)
     with caplog.at_level(logging.WARNING, "rltools.data"):
         task = make_task(data, RewardConfig(), 0, TINY, load_tokenizer(TINY))
-    assert [p.answer for p in task.train] == [2] and len(task.train[0].prompt_ids) == 14
+    [train] = task.sources
+    assert [p.answer for p in train] == [2] and len(train[0].prompt_ids) == 14
     assert "dropped 1 of 2 problems longer than data.max_prompt_tokens 20 (the longest: 72 tokens)" in caplog.text
     with pytest.raises(UserError, match="every problem is longer than data.max_prompt_tokens 5"):
         make_task(data.model_copy(update={"max_prompt_tokens": 5}), RewardConfig(), 0, TINY, load_tokenizer(TINY))
