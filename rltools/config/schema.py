@@ -177,6 +177,11 @@ class RewardConfig(Section):
     exceeds it scores 0 and its worker process is replaced."""
     workers: int | None = Field(None, ge=1)
     """Worker processes for math_verify and custom rewards; default: CPU cores - 1, at most 4."""
+    max_failure_fraction: float = Field(0.5, ge=0, le=1)
+    """The run stops with an error naming the reward and its first failure when more than this fraction of
+    the calls of a scoring batch (a step's, an evaluation's; smaller batches add up to at least 32 calls)
+    failed: timed out, raised, crashed its worker or returned no finite number (math_verify and custom).
+    Each failed call scores 0; metrics.jsonl counts them per step (reward_failures). 1: never stop."""
 
     @model_validator(mode="after")
     def _custom_needs_function(self):

@@ -81,7 +81,7 @@ def generate(env: RoleEnv, paths: RunPaths, config, task, sets: EvalSets) -> Non
     # Joined: trainer rank 0 has resumed (checkpoint loaded, unusable shards deleted) before hosting.
     start = paths.latest_checkpoint()
     sent = sends_start_policy(config, start)  # the checkpoint's policy, or lora.init_from's at step 0
-    weights = Weights(engine, sets, config, paths, version=start - 1 if sent else 0)
+    weights = Weights(engine, sets, config, paths, heartbeat, version=start - 1 if sent else 0)
     # mid-run: a lost engine's replacement (`supervisor`), or an engine of a join job
     arriving = int(os.environ.get(ENGINE, "0")) > 0 or env.joined
     if sent or arriving:  # the checkpoint's (or the run's current) policy, before any sampling
@@ -89,7 +89,7 @@ def generate(env: RoleEnv, paths: RunPaths, config, task, sets: EvalSets) -> Non
         while weights.version == initial or weights.dirty:  # until one arrived whole (the group may re-form)
             weights.receive(with_eval=not start and not arriving)  # lora.init_from's version 0 is evaluated
     elif engine.writes_files:  # the first engine evaluates
-        record_eval(paths, evaluate(engine, sets, config.env, config.run.seed), 0)
+        weights.evaluate()
     if arriving:  # the steps before it had slots are trained already
         record = FleetRecord.read(paths)
         start = max(start, record.assignments[-1][0] if record else 0)
@@ -154,10 +154,13 @@ def generate_slots(engine: VLLMEngine, task, config, store: RolloutStore, step: 
 
 class Weights:
     """This engine's policy version and its weight-sync membership: `receive` loads the next version,
-    and when the group broke (trainer rank 0 lost an engine, or one joins) joins its next generation."""
+    and when the group broke (trainer rank 0 lost an engine, or one joins) joins its next generation.
+    Once the final version is in, the heartbeat stops: trainer rank 0 needs nothing more from this
+    engine and closes its store when it is done, maybe long before a final evaluation ends."""
 
-    def __init__(self, engine: VLLMEngine, sets: EvalSets, config, paths: RunPaths, version: int):
-        self.engine, self.sets, self.config, self.paths = engine, sets, config, paths
+    def __init__(self, engine: VLLMEngine, sets: EvalSets, config, paths: RunPaths, heartbeat: Heartbeat,
+                 version: int):
+        self.engine, self.sets, self.config, self.paths, self.heartbeat = engine, sets, config, paths, heartbeat
         self.version = version
         self.dirty = False
         """A message broke off after part of it was loaded (full, adapted): sample nothing before the next."""
@@ -176,9 +179,17 @@ class Weights:
         except GroupBroken as err:  # the version is loaded; only the probe's figure is lost
             self._rejoin(err)
             return
+        finally:
+            if version >= self.config.schedule.steps:  # the trainer's last collective with this engine is over
+                self.heartbeat.stop()
         log.info("policy version %d loaded in %.3f s, logprob gap to the trainer %.2e", version, seconds, gap)
         if with_eval and engine.writes_files and eval_due(self.config, version):  # the first engine evaluates
-            record_eval(self.paths, evaluate(engine, self.sets, self.config.env, self.config.run.seed), version)
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        """Evaluate the served policy (this version) on the eval sets and record the result."""
+        faults.point("generator.eval", self.version)
+        record_eval(self.paths, evaluate(self.engine, self.sets, self.config.env, self.config.run.seed), self.version)
 
     def _rejoin(self, err: GroupBroken) -> None:
         log.warning("the weight-sync group broke (%s): joining its next generation", err)
@@ -201,11 +212,13 @@ def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share:
         env=config.env,
     )
     episodes = config.env.type != "single_turn"  # the rollouts carry which tokens the model wrote
-    rewards = iter(task.reward.score(
+    scores = task.reward.score(  # RewardFailing (a UserError) when too many calls failed: the run stops
         [e.last_turn for group in groups for e in group],
         [problems[i].answer for i, group in zip(share, groups) for _ in group],
-    ))
-    return [[e.sample(next(rewards), group_id(config, step, i, draw), j, multi_turn=episodes) for j, e in enumerate(group)]
+    )
+    rewards, failed = iter(scores), iter(k in scores.failures.failed for k in range(len(scores)))
+    return [[e.sample(next(rewards), group_id(config, step, i, draw), j, multi_turn=episodes,
+                      reward_failed=next(failed)) for j, e in enumerate(group)]
             for i, group in zip(share, groups)]
 
 

@@ -29,6 +29,7 @@ RESUMABLE = (
     "schedule.eval_every", "eval.keep_full_exports",
     "schedule.rollout_timeout_s", "trainer.sync_timeout_s", "generator.sync_timeout_s",  # deadlines
     "generator.heartbeat_timeout_s", "generator.max_engine_restarts", "generator.min_engines",  # lost engines
+    "reward.timeout_s", "reward.max_failure_fraction",  # a reward that failed too often (`reward.failures`)
 )
 
 

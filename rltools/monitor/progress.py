@@ -124,13 +124,15 @@ def eta(recent: list[tuple[int, float | None]], total: int) -> float | None:
 
 
 def step_line(done: int, total: int, m: dict | None = None, timings: bool = False, eta_s: float | None = None) -> str:
-    """`step done/total [bar]`, then the step's reward, accuracy and KL when there is a record `m`,
-    then its throughput and timings with `timings` (the live display has them; a status may not),
-    then the time left when `eta_s` is known."""
+    """`step done/total [bar]`, then the step's reward, accuracy and KL when there is a record `m` (and
+    how many of its samples' reward calls failed, if any), then its throughput and timings with
+    `timings` (the live display has them; a status may not), then the time left when `eta_s` is known."""
     bar = ("=" * int(20 * done / total)).ljust(20)
     line = f"step {done}/{total} [{bar}]"
     if m:
         line += f" reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} kl {m.get('kl', 0):.4f}"
+        if m.get("reward_failures"):  # calls of the reward that failed and scored 0 (reward.max_failure_fraction)
+            line += f" | reward failures {m['reward_failures']}/{m.get('samples', '?')}"
         if "tool_call_rate" in m:  # multi-turn: how often the policy calls its tools, and how often they fail
             line += f" tools {m['tool_call_rate']:.2f} (errors {m['tool_error_rate']:.2f})"
         if m.get("engines", 1) != 1 or m.get("reassigned_samples"):  # a fleet: how many engines generate

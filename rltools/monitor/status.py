@@ -65,6 +65,9 @@ class RunStatus:
     """Steps done by the latest valid checkpoint; 0 when there is none."""
     staleness: dict[int, int] = dataclasses.field(default_factory=dict)
     """How many steps trained on rollouts k policy versions old, by k (schedule.max_staleness bounds k)."""
+    reward_failures: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Samples whose reward call failed (timed out, raised, returned no number) and scored 0, by step;
+    steps without any are left out."""
     engines: dict | None = None
     """The generator fleet (fleet.json): {"configured", "live": [engine, ...], "events": [{"event":
     "lost", "engine", "step", "why", "time"}, ...], "pool": `engine_pool`}; None before trainer rank 0
@@ -113,6 +116,7 @@ def run_status(paths: RunPaths) -> RunStatus:
         evals={},
         checkpoint=paths.latest_checkpoint(),
         staleness=dict(sorted(Counter(m["staleness"] for m in metrics if "staleness" in m).items())),
+        reward_failures={m["step"]: m["reward_failures"] for m in metrics if m.get("reward_failures")},
     )
     _read_eval_sets(status, read_evals(paths))
     status.resumed = read_json(paths.resumed)
@@ -169,11 +173,12 @@ def _read_exits(status: RunStatus, paths: RunPaths, attempt: int) -> None:
     if status.state == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
         # the trainers' end is the run's: engines lost on the way fail their component, not the run
         status.state = "COMPLETED" if exits.get("trainer") == 0 and len(exits) == len(ROLES) else "FAILED"
-    if status.state not in ACTIVE and exits.get("trainer") == EXIT_STOPPED:
-        status.state = "STOPPED"  # on a signal, at a checkpoint: resumable
+    # on a signal, at a checkpoint: resumable; unless the generators failed and the trainers were stopped for it
+    if status.state not in ACTIVE and exits.get("trainer") == EXIT_STOPPED and not exits.get("generator"):
+        status.state = "STOPPED"
     if status.state not in ACTIVE and status.state not in ("COMPLETED", "STOPPED"):
         failed = [role for role, code in sorted(exits.items(), key=lambda item: _mtime(paths, attempt, item[0]))
-                  if code != 0]
+                  if code not in (0, EXIT_STOPPED)] or [role for role, code in exits.items() if code]
         if failed:
             status.failed_component = COMPONENT_OF[failed[0]]
             status.log_tail = failing_log_tail(paths, attempt, failed[0])
@@ -211,6 +216,10 @@ def format_status(status: RunStatus) -> str:
     if any(status.staleness):  # some step trained on rollouts of an older policy
         lines.append("steps trained on rollouts k versions behind: " +
                      ", ".join(f"k={k} {n}" for k, n in status.staleness.items()))
+    if status.reward_failures:
+        failed = status.reward_failures
+        lines.append(f"reward calls that failed and scored 0: {sum(failed.values())} samples in {len(failed)} step(s), "
+                     f"the latest in step {max(failed) + 1}/{status.total_steps} (the generator's log says why)")
     if status.state not in ACTIVE | {"UNKNOWN", "COMPLETED"}:
         lines.append(f"continue with: rltools resume {status.run_dir}")
     for name, entry in status.eval_sets.items():

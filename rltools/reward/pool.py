@@ -7,8 +7,10 @@ replaced; its call scores the pool's `fallback`.
 
 Invariants:
 - `map` returns one result per input, in order, within about timeout_s x ceil(calls / workers)
-  (plus start-up), whatever the function does: hangs, raises, crashes its process, or returns a
-  non-number (each of these is the fallback, and logged).
+  (plus start-up), whatever the function does: hangs, raises, crashes its process, or returns
+  something that is not a finite number (each of these is the fallback, and counted by kind in the
+  result's `failures`: rltools/reward/failures.py). Given `max_failures`, it sends no further call
+  once more have failed, and returns when those in flight are answered.
 - Workers are fresh interpreters (rltools/reward/worker.py), not forks: they never inherit the
   generator's threads or vLLM state, nor re-run the caller's __main__ (multiprocessing's "spawn" would).
 - A worker gets real calls only once it is ready: it has imported the function's module and, when
@@ -25,6 +27,8 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+
+from .failures import ERROR, NOT_A_NUMBER, TIMEOUT, RewardFailures, Scores
 
 log = logging.getLogger("rltools.reward")
 
@@ -69,7 +73,6 @@ class TimeoutPool:
         except BaseException:
             self.close()
             raise
-        self.timeouts = 0
 
     def _spawn(self) -> Worker:
         to_child_r, to_child_w = os.pipe()
@@ -96,8 +99,9 @@ class TimeoutPool:
         except OSError:  # it died after reporting ready: _reply says with which exit code
             pass
         status, value = self._reply(worker, deadline)
-        if status != "ok" or value != self.warmup.expected:  # != also catches NaN
-            outcome = {"ok": f"it returned {value!r}, expected {self.warmup.expected!r}", "raised": f"it raised {value}"}
+        if status != "ok" or value != self.warmup.expected:
+            outcome = {"ok": f"it returned {value!r}, expected {self.warmup.expected!r}",
+                       "raised": f"it raised {value}", "not a number": f"it {value}"}
             raise ValueError(
                 f"reward function {self.reference!r} failed its warm-up call {self.warmup.args!r}: "
                 f"{outcome.get(status, value)}"
@@ -116,51 +120,67 @@ class TimeoutPool:
         except (EOFError, OSError):
             return "error", f"the worker exited with code {process.wait()}"
 
-    def map(self, calls: list[tuple]) -> list[float]:
-        """Results of function(*args) for each args in `calls`, in order (fallback on failure)."""
+    def map(self, calls: list[tuple], max_failures: int | None = None) -> Scores:
+        """Results of function(*args) for each args in `calls`, in order (fallback on failure), and
+        which calls failed; past `max_failures` failures the calls not yet sent are not made (their
+        results stay the fallback, and `failures.calls` counts only those made)."""
         results = [self.fallback] * len(calls)
+        failures = RewardFailures()
         pending = list(enumerate(calls))[::-1]
         busy: dict[Connection, tuple[int, float, int]] = {}  # replies -> (call index, deadline, worker slot)
         idle = list(range(len(self._workers)))
-        while pending or busy:
-            while pending and idle:
+
+        def more() -> bool:
+            return bool(pending) and (max_failures is None or failures.count <= max_failures)
+
+        while busy or more():
+            while idle and more():
                 slot = idle.pop()
                 index, args = pending.pop()
                 _, requests, replies = self._workers[slot]
                 requests.send(args)
+                failures.calls += 1
                 busy[replies] = (index, time.monotonic() + self.timeout_s, slot)
             soonest = min(deadline for _, deadline, _ in busy.values())
             for replies in wait(list(busy), timeout=max(0.0, soonest - time.monotonic())):
                 index, _, slot = busy.pop(replies)
-                results[index] = self._receive(replies, slot, index)
+                results[index] = self._receive(replies, slot, index, failures)
                 idle.append(slot)
             now = time.monotonic()
             for replies, (index, deadline, slot) in list(busy.items()):
                 if now >= deadline:
                     busy.pop(replies)
-                    self.timeouts += 1
-                    log.warning("reward call %d exceeded reward.timeout_s %.1f s: scored %s", index, self.timeout_s, self.fallback)
+                    failures.add(index, TIMEOUT, f"a call exceeded reward.timeout_s {self.timeout_s:g} s")
+                    log.debug("reward call %d exceeded reward.timeout_s %.1f s: scored %s", index, self.timeout_s,
+                              self.fallback)
                     self._replace(slot)
                     idle.append(slot)
-        return results
+        return Scores(results, failures)
 
-    def _receive(self, replies: Connection, slot: int, index: int) -> float:
+    def _receive(self, replies: Connection, slot: int, index: int, failures: RewardFailures) -> float:
         try:
             status, value = replies.recv()
         except (EOFError, OSError):  # the worker died (segfault, os._exit, OOM kill)
-            log.warning("reward worker died on call %d: scored %s", index, self.fallback)
-            self._replace(slot)
+            code = self._replace(slot)
+            failures.add(index, ERROR, f"its worker process died (exit code {code})")
+            log.debug("reward worker died on call %d (exit code %d): scored %s", index, code, self.fallback)
             return self.fallback
-        if status != "ok" or value != value:  # NaN is not a reward
-            log.warning("reward call %d failed (%s): scored %s", index, value, self.fallback)
-            return self.fallback
-        return value
+        if status == "ok":
+            return value
+        if status == "raised":
+            failures.add(index, ERROR, value)
+        else:  # "not a number": `value` says what it returned
+            failures.add(index, NOT_A_NUMBER, f"it {value}")
+        log.debug("reward call %d failed (%s): scored %s", index, value, self.fallback)
+        return self.fallback
 
-    def _replace(self, slot: int) -> None:
-        """A fresh worker in `slot`, ready and warm before map sends it the next call."""
-        _stop(*self._workers[slot])
+    def _replace(self, slot: int) -> int:
+        """A fresh worker in `slot`, ready and warm before map sends it the next call; returns the exit
+        code of the one it replaces."""
+        code = _stop(*self._workers[slot])
         self._workers[slot] = self._spawn()  # owned by the pool from here: close stops it if it fails
         self._await_ready(self._workers[slot], time.monotonic() + START_TIMEOUT_S)
+        return code
 
     def close(self) -> None:
         for worker in self._workers:
@@ -169,12 +189,14 @@ class TimeoutPool:
         atexit.unregister(self.close)
 
 
-def _stop(process: subprocess.Popen, requests: Connection, replies: Connection) -> None:
+def _stop(process: subprocess.Popen, requests: Connection, replies: Connection) -> int:
+    """Kill the worker unless it has ended; its exit code."""
     if process.poll() is None:
         process.kill()
-    process.wait()
+    code = process.wait()
     requests.close()
     replies.close()
+    return code
 
 
 def default_workers() -> int:

@@ -2,6 +2,7 @@
 
 import abc
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -9,7 +10,10 @@ from ..config.schema import RewardConfig
 from ..errors import UserError
 from .answers import answer_line_answer, boxed_integer_answer
 from .extract import TAIL_CHARS, exact_integer
+from .failures import FailureLimit, Scores
 from .pool import TimeoutPool, Warmup, default_workers
+
+log = logging.getLogger("rltools.reward")
 
 MATH_VERIFY = "rltools.reward.math:math_verify_score"
 MATH_VERIFY_WARMUP = Warmup(("\\boxed{1}", 1), 1.0)  # known correct: proves the checker works, builds its parser
@@ -39,8 +43,9 @@ class Reward(abc.ABC):
     """Scores completions; `close` releases worker processes (a no-op for inline verifiers)."""
 
     @abc.abstractmethod
-    def score(self, completions: Sequence[str], answers: Sequence) -> list[float]:
-        """One reward per (completion, answer) pair, in order."""
+    def score(self, completions: Sequence[str], answers: Sequence) -> Scores:
+        """One reward per (completion, answer) pair, in order, with the calls that failed (scored 0);
+        RewardFailing when too many failed (rltools/reward/failures.py)."""
 
     def close(self) -> None:
         pass
@@ -50,8 +55,8 @@ class Reward(abc.ABC):
 class InlineReward(Reward):
     function: Callable[[str, int], float]
 
-    def score(self, completions: Sequence[str], answers: Sequence) -> list[float]:
-        return [self.function(c, a) for c, a in zip(completions, answers, strict=True)]
+    def score(self, completions: Sequence[str], answers: Sequence) -> Scores:
+        return Scores(self.function(c, a) for c, a in zip(completions, answers, strict=True))  # they never fail
 
 
 @dataclass
@@ -59,10 +64,18 @@ class PooledReward(Reward):
     pool: TimeoutPool
     tail_only: bool
     """Send only the completion's last TAIL_CHARS characters (math_verify reads the final answer)."""
+    limit: FailureLimit
 
-    def score(self, completions: Sequence[str], answers: Sequence) -> list[float]:
+    def score(self, completions: Sequence[str], answers: Sequence) -> Scores:
         texts = [c[-TAIL_CHARS:] if self.tail_only and isinstance(c, str) else c for c in completions]
-        return self.pool.map(list(zip(texts, answers, strict=True)))
+        calls = list(zip(texts, answers, strict=True))
+        scores = self.pool.map(calls, max_failures=self.limit.allowed(len(calls)))
+        failures = scores.failures
+        self.limit.judge(failures, len(calls))  # RewardFailing says it all
+        if failures.count:  # one line a batch, not one a call (a broken function fails thousands)
+            log.warning("%s: %d of %d calls failed (%s) and scored 0; the first: %s", self.limit.what, failures.count,
+                        failures.calls, failures.kinds(), failures.first)
+        return scores
 
     def close(self) -> None:
         self.pool.close()
@@ -86,4 +99,7 @@ def make_reward(config: RewardConfig) -> Reward:
         pool = TimeoutPool(reference, config.timeout_s, config.workers or default_workers(), warmup=warmup)
     except ValueError as err:
         raise UserError(f"reward.type {config.type}: {err}") from None
-    return PooledReward(pool, tail_only=config.type == "math_verify")
+    named = ("reward.type math_verify" if config.type == "math_verify"
+             else f"reward.function {config.function} (reward.type custom)")
+    limit = FailureLimit(config.max_failure_fraction, named)
+    return PooledReward(pool, tail_only=config.type == "math_verify", limit=limit)

@@ -3,10 +3,12 @@
 Started by TimeoutPool (rltools/reward/pool.py) as a fresh interpreter, so it inherits neither the
 generator's threads and vLLM state nor the caller's __main__ module. Protocol over two pipes of
 pickled messages: it sends ("ready", None) or ("error", why) once, then answers each args tuple with
-("ok", float) or ("raised", why). The pool's warm-up call, if any, is the first such tuple.
+("ok", float), ("raised", why) or ("not a number", what it returned instead: None, a list, nan, inf).
+The pool's warm-up call, if any, is the first such tuple.
 """
 
 import importlib
+import math
 import sys
 from multiprocessing.connection import Connection
 
@@ -39,9 +41,27 @@ def serve(reference: str, requests: Connection, replies: Connection) -> None:
         except EOFError:  # the pool closed its end
             return
         try:
-            replies.send(("ok", float(function(*args))))
+            value = function(*args)
         except Exception as err:
             replies.send(("raised", f"{type(err).__name__}: {err}"))
+            continue
+        replies.send(as_reward(value))
+
+
+def as_reward(value) -> tuple[str, object]:
+    """("ok", the float) for what float() takes (ints, bools, numpy and torch scalars) when it is
+    finite: an infinite reward would make every advantage of its group nan. Else ("not a number", why)."""
+    try:
+        number = float(value)
+    except Exception:  # TypeError, ValueError ('yes'), OverflowError (10**400), a __float__ of the user's
+        number = None
+    if number is None or not math.isfinite(number):
+        return "not a number", f"returned {_short(repr(value))}, not a finite number"
+    return "ok", number
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ class Sample:
     turns: int = 1
     tool_calls: int = 0
     tool_errors: int = 0
+    reward_failed: bool = False  # the reward call failed (rltools/reward/failures.py): `reward` is its 0
 
 
 EPISODE = {"completion_mask": np.uint8, "turns": np.int16, "tool_calls": np.int16, "tool_errors": np.int16}
@@ -74,6 +75,7 @@ class RolloutBatch:
     tool_calls: np.ndarray | None = None  # int16 [n]
     tool_errors: np.ndarray | None = None  # int16 [n] calls that failed
     slot_sizes: tuple[int, ...] = ()  # samples of each joined shard, in slot order (`concat`); not stored
+    reward_failures: int = 0  # samples whose reward call failed and scored 0 (timed out, raised, not a number)
 
     DTYPES = {
         "prompt_ids": np.int32,
@@ -203,6 +205,7 @@ class RolloutBatch:
             texts=tuple(texts) if all(t is not None for t in texts) and samples else None,
             generation_seconds=generation_seconds,
             prompts_drawn=prompts_drawn,
+            reward_failures=sum(s.reward_failed for s in samples),
             **routed,
         )
 
@@ -227,5 +230,5 @@ class RolloutBatch:
         seconds = max((b.generation_seconds for b in batches), default=0.0)  # ranks generate in parallel
         return cls(**joined, policy_version=min(b.policy_version for b in batches), texts=texts,
                    generation_seconds=seconds, prompts_drawn=sum(b.prompts_drawn for b in batches),
-                   slot_sizes=tuple(len(b) for b in batches))
+                   slot_sizes=tuple(len(b) for b in batches), reward_failures=sum(b.reward_failures for b in batches))
 

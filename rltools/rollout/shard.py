@@ -42,6 +42,7 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
             sample_count=len(batch),
             generation_seconds=batch.generation_seconds,
             prompts_drawn=batch.prompts_drawn,
+            reward_failures=batch.reward_failures,
         )
         for name, array in batch.arrays.items():
             f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
@@ -72,12 +73,13 @@ def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch
             policy_version, sample_count = int(f.attrs["policy_version"]), int(f.attrs["sample_count"])
             seconds = float(f.attrs.get("generation_seconds", 0.0))
             drawn = int(f.attrs.get("prompts_drawn", 0))
+            failures = int(f.attrs.get("reward_failures", 0))
     except (OSError, KeyError) as err:
         raise ShardError(f"{path}: not a readable rollout shard ({err}); `rltools resume` of the run deletes it and "
                          "its generator writes it again") from err
     try:
         batch = RolloutBatch(**arrays, **optional, policy_version=policy_version, texts=texts, generation_seconds=seconds,
-                             prompts_drawn=drawn)
+                             prompts_drawn=drawn, reward_failures=failures)
     except ValueError as err:
         raise ShardError(f"{path}: inconsistent rollout shard: {err}") from err
     if len(batch) != sample_count:

@@ -152,8 +152,15 @@ def _update_joins(paths: RunPaths, change):
 
 class Heartbeat:
     """In a generator process: a daemon thread bumping `beat/<engine>` in trainer rank 0's
-    weight-sync store every BEAT_S, for as long as the process lives; `where/<engine>` says where it
-    runs, and `leave` tells trainer rank 0 the engine is going (its job ends) before it goes."""
+    weight-sync store every BEAT_S until `stop`; `where/<engine>` says where it runs, and `leave`
+    tells trainer rank 0 the engine is going (its job ends) before it goes.
+
+    It beats no longer than the store can answer: the generator stops it once it holds the final
+    weights (trainer rank 0 then closes its store whenever it is done), and the thread ends at the
+    first beat that fails (a TCPStore client never reconnects: every later beat would fail too). Each
+    failed call costs a c10d warning with a C++ stack trace in the log: TCPStore.cpp logs it through
+    c10's LOG(WARNING) (TORCH_CPP_LOG_LEVEL), not Python's logging, before the error reaches Python.
+    """
 
     def __init__(self, paths: RunPaths, attempt: int | str, engine: int, timeout_s: float, where: dict):
         import torch.distributed as dist  # here: `rltools status` reads this module on a login node
@@ -164,23 +171,39 @@ class Heartbeat:
         self.engine, self.key = engine, f"beat/{engine}"
         self.store.set(f"where/{engine}", json.dumps(where))
         self.store.add(self.key, 1)
-        threading.Thread(target=self._beat, name=f"rltools-heartbeat-{engine}", daemon=True).start()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"rltools-heartbeat-{engine}", daemon=True)
+        self._thread.start()
 
     def _beat(self) -> None:
-        while True:
-            time.sleep(BEAT_S)
+        while not self._stopped.wait(BEAT_S):
             try:
                 self.store.add(self.key, 1)
             except Exception as err:  # the trainer is gone or restarting: its own deadlines report that
-                log.debug("heartbeat not delivered: %s", err)
+                log.info("heartbeat to trainer rank 0 stopped: its store does not answer (%s)", _first_line(err))
+                self._stopped.set()
+
+    def stop(self) -> None:
+        """Beat no more (idempotent); returns once no beat is in flight."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * BEAT_S)  # a beat to a live store takes a millisecond
 
     def leave(self) -> None:
         """Tell trainer rank 0 this engine is leaving: it reassigns its slots at once, not after the
-        heartbeat timeout."""
+        heartbeat timeout. Nothing to tell once the beats stopped (the final weights are in, or the
+        trainer is gone)."""
+        if self._stopped.is_set():
+            return
         try:
             self.store.set(f"left/{self.engine}", "1")
         except Exception as err:  # the trainer is gone: nothing to tell
             log.debug("leave not delivered: %s", err)
+
+
+def _first_line(err: Exception) -> str:
+    """A c10d error's message without the C++ stack trace that follows it."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 class Heartbeats:

@@ -43,3 +43,14 @@ def slow_first_call(completion, answer):
     if completion == "crash":
         os._exit(3)
     return float(completion == str(answer))
+
+
+def fails_on_odd_answers(completion, answer):
+    """exact_integer's score, but it raises on every odd answer: a reward that fails on some calls."""
+    if int(answer) % 2:
+        raise KeyError("data_source")
+    return float(completion.strip() == str(answer))
+
+
+def infinite(completion, answer):
+    return float("inf")

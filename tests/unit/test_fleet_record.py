@@ -1,4 +1,5 @@
-"""runtime.fleet: which engine generates each slot of a step, and trainer rank 0's heartbeat clock."""
+"""runtime.fleet: which engine generates each slot of a step, trainer rank 0's heartbeat clock, and a
+generator's heartbeat, which stops before the trainer's store goes away."""
 
 import time
 from datetime import timedelta
@@ -7,7 +8,9 @@ import torch.distributed as dist
 
 from rltools.paths import RunPaths
 from rltools.runtime import faults
-from rltools.runtime.fleet import FleetRecord, Heartbeats, add_join, joined_engines, set_join_job
+from rltools.runtime.address import publish_address
+from rltools.runtime.fleet import BEAT_S, FleetRecord, Heartbeat, Heartbeats, add_join, joined_engines, set_join_job
+from rltools.weight_sync.store import bound_store
 
 
 def test_a_lost_engines_slots_go_to_the_survivors_in_turn_and_come_home_when_it_is_back(tmp_path):
@@ -77,3 +80,49 @@ def test_a_fault_can_name_the_task_it_is_for():
     spec = "generator.sample@3/1=kill,trainer.sync@2=signal:USR2"
     assert faults._parse(spec, "1") == {("generator.sample", 3): "kill", ("trainer.sync", 2): "signal:USR2"}
     assert faults._parse(spec, "0") == {("trainer.sync", 2): "signal:USR2"}
+    assert faults._parse("generator.eval@4=sleep:2.5", None) == {("generator.eval", 4): "sleep:2.5"}
+
+
+def test_a_sleep_fault_pauses_the_process_there(monkeypatch):
+    monkeypatch.setattr(faults, "_FAULTS", faults._parse("generator.eval@4=sleep:0.3", None))
+    start = time.perf_counter()
+    faults.point("generator.eval", 3)
+    assert time.perf_counter() - start < 0.1
+    faults.point("generator.eval", 4)
+    assert time.perf_counter() - start >= 0.3
+
+
+def _serve_store(paths: RunPaths):
+    """Trainer rank 0's weight-sync store, its address published as the trainer publishes it; the
+    server closes when the returned store is dropped (`del`)."""
+    store = bound_store("127.0.0.1", timedelta(seconds=5))
+    publish_address(paths.sync_address, "127.0.0.1", store.port, "0")
+    return store
+
+
+def test_a_stopped_heartbeat_stays_silent_when_the_trainers_store_closes(tmp_path, capfd):
+    paths = RunPaths(tmp_path)
+    server = _serve_store(paths)
+    heartbeat = Heartbeat(paths, "0", engine=0, timeout_s=30, where={"node": "n1"})
+    time.sleep(2.5 * BEAT_S)
+    beats = server.add("beat/0", 0)
+    assert beats >= 2  # the first beat, then one a second
+    heartbeat.stop()  # the generator holds the final weights
+    time.sleep(1.5 * BEAT_S)
+    assert server.add("beat/0", 0) == beats
+    del server  # the trainer closes its store; a final evaluation goes on for seconds
+    time.sleep(2.5 * BEAT_S)
+    heartbeat.leave()  # a signal now: nothing to tell, and no call to a closed store
+    assert "[c10d]" not in capfd.readouterr().err
+
+
+def test_a_heartbeat_ends_at_its_first_failed_beat(tmp_path, capfd):
+    # the trainer died: a TCPStore client never reconnects, and each failed call logs a C++ stack trace
+    paths = RunPaths(tmp_path)
+    server = _serve_store(paths)
+    heartbeat = Heartbeat(paths, "0", engine=0, timeout_s=30, where={})
+    del server
+    time.sleep(3 * BEAT_S)
+    assert not heartbeat._thread.is_alive()
+    err = capfd.readouterr().err
+    assert err.count("[c10d]") == 1, err

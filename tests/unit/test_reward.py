@@ -6,6 +6,7 @@ from rltools.config.schema import RewardConfig
 from rltools.errors import UserError
 from rltools.reward import answer_extractor, extract_answer, make_reward
 from rltools.reward.extract import TAIL_CHARS, integer_answer, last_boxed, parse_integer
+from rltools.reward.failures import ERROR, NOT_A_NUMBER, TIMEOUT
 from rltools.reward.pool import TimeoutPool, Warmup
 from rltools.reward.verifiers import INLINE, answer_line_integer, boxed_integer
 
@@ -143,15 +144,19 @@ def test_pool_survives_hangs_errors_crashes_and_junk():
     pool = TimeoutPool("tests.unit.reward_fns:hang", timeout_s=0.5, workers=2)
     try:
         start = time.perf_counter()
-        assert pool.map([("a", 1)] * 3) == [0.0, 0.0, 0.0]
+        scores = pool.map([("a", 1)] * 3)
+        assert scores == [0.0, 0.0, 0.0]
         assert time.perf_counter() - start < 0.5 * 2 + 10  # ceil(3 / 2) deadlines + worker restarts
-        assert pool.timeouts == 3
+        assert scores.failures.failed == {0: TIMEOUT, 1: TIMEOUT, 2: TIMEOUT} and scores.failures.calls == 3
     finally:
         pool.close()
-    for name in ("raise_error", "crash", "not_a_number"):
+    for name, kind, first in (("raise_error", ERROR, "RuntimeError: boom"), ("crash", ERROR, "died (exit code 3)"),
+                              ("not_a_number", NOT_A_NUMBER, "returned 'yes', not a finite number")):
         pool = TimeoutPool(f"tests.unit.reward_fns:{name}", timeout_s=5, workers=1)
         try:
-            assert pool.map([("a", 1), ("b", 2)]) == [0.0, 0.0], name
+            scores = pool.map([("a", 1), ("b", 2)])
+            assert scores == [0.0, 0.0], name
+            assert scores.failures.failed == {0: kind, 1: kind} and first in scores.failures.first, scores.failures
         finally:
             pool.close()
 
@@ -186,7 +191,7 @@ def test_a_replaced_worker_is_warm_before_its_next_call(failure):
 @pytest.mark.parametrize("function, warmup, message", [
     ("length_is_answer", Warmup(("ab", 3), 1.0), r"length_is_answer'.* warm-up .*returned 0.0, expected 1.0"),
     ("raise_error", Warmup(("a", 1), 1.0), r"raise_error'.* warm-up .*RuntimeError: boom"),
-    ("not_a_number", Warmup(("a", 1), 1.0), r"not_a_number'.* warm-up .*ValueError"),
+    ("not_a_number", Warmup(("a", 1), 1.0), r"not_a_number'.* warm-up .*returned 'yes', not a finite number"),
     ("crash", Warmup(("a", 1), 1.0), r"crash'.* warm-up .*exited with code 3"),
 ])
 def test_a_failing_warm_up_stops_the_pool_naming_the_function(function, warmup, message):

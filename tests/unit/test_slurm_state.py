@@ -80,6 +80,17 @@ def test_status_of_local_runs_from_the_exit_files_the_launcher_writes(repo, tmp_
     assert (status.state, status.step, status.total_steps, status.job_id) == ("COMPLETED", 2, 2, None)
 
 
+def test_a_trainer_stopped_because_the_generators_failed_is_a_failure_of_the_generators(repo, tmp_path):
+    paths = make_run(repo, tmp_path, "schedule.steps=2")
+    paths.attempt_log_dir(0).mkdir(parents=True)
+    paths.task_log(0, "generator", 0).write_text("error: reward.function m:f (reward.type custom) failed on 65 ...\n")
+    for role, code in (("trainer", 3), ("generator", 2)):  # the launcher stopped the trainer, which checkpointed
+        paths.component_exit(0, role).write_text(f"{code}\n")
+    status = run_status(paths)
+    assert (status.state, status.failed_component) == ("FAILED", "generators")
+    assert "error: reward.function m:f" in format_status(status)
+
+
 def test_a_resume_forgets_what_steps_after_the_checkpoint_recorded(repo, tmp_path):
     from rltools.metrics import resume_metrics
 
