@@ -173,8 +173,10 @@ def _read_exits(status: RunStatus, paths: RunPaths, attempt: int) -> None:
     if status.state == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
         # the trainers' end is the run's: engines lost on the way fail their component, not the run
         status.state = "COMPLETED" if exits.get("trainer") == 0 and len(exits) == len(ROLES) else "FAILED"
-    # on a signal, at a checkpoint: resumable; unless the generators failed and the trainers were stopped for it
-    if status.state not in ACTIVE and exits.get("trainer") == EXIT_STOPPED and not exits.get("generator"):
+    # on a signal, at a checkpoint: resumable; unless the generators refused their input (UserError's exit 2:
+    # a broken reward) and the trainers were stopped for it. Generators killed at a time limit exit otherwise.
+    refused = exits.get("generator") == UserError.exit_code
+    if status.state not in ACTIVE and exits.get("trainer") == EXIT_STOPPED and not refused:
         status.state = "STOPPED"
     if status.state not in ACTIVE and status.state not in ("COMPLETED", "STOPPED"):
         failed = [role for role, code in sorted(exits.items(), key=lambda item: _mtime(paths, attempt, item[0]))

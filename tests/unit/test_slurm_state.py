@@ -89,6 +89,8 @@ def test_a_trainer_stopped_because_the_generators_failed_is_a_failure_of_the_gen
     status = run_status(paths)
     assert (status.state, status.failed_component) == ("FAILED", "generators")
     assert "error: reward.function m:f" in format_status(status)
+    paths.component_exit(0, "generator").write_text("143\n")  # killed at the time limit: the trainers' stop stands
+    assert run_status(paths).state == "STOPPED"
 
 
 def test_a_resume_forgets_what_steps_after_the_checkpoint_recorded(repo, tmp_path):
