@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from rltools.config.schema import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DECLARE_ONLY = {"rltools/config/schema.py", "rltools/config/cluster.py", "rltools/config/loader.py", "rltools/config/reference.py"}
+DECLARE_ONLY = {"rltools/config/schema.py", "rltools/config/cluster.py", "rltools/config/inputs.py", "rltools/config/loader.py", "rltools/config/reference.py"}
 
 
 def config_fields(model: type[BaseModel] = RLConfig, prefix: str = "") -> list[tuple[str, str, str]]:
