@@ -134,8 +134,9 @@ class EvalSetConfig(Section):
     """Column of the prompt in this set's file; null: data.prompt_key."""
     answer_key: str | None = None
     """Column of the reference answer in this set's file; null: data.answer_key."""
-    reward: Literal["exact_integer", "boxed_integer", "answer_line", "math_verify", "custom"] | None = None
-    """Verifier of this set (custom: reward.function); null: reward.type."""
+    reward: Literal["exact_integer", "boxed_integer", "answer_line", "math_verify", "code", "custom"] | None = None
+    """Verifier of this set (custom: reward.function; code: reward.code); null: the run's reward (reward.type,
+    or the weighted sum of reward.functions)."""
     k: int | None = Field(None, ge=1)
     """Samples per problem (avg@k, pass@k, maj@k); null: eval.k. Greedy sets sample once."""
     problems: int | None = Field(None, ge=1)

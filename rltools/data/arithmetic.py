@@ -49,6 +49,9 @@ class Problem:
     custom rewards on file datasets."""
     columns: dict = field(default_factory=dict, compare=False)
     """The row's other columns (file datasets), for rewards that read them."""
+    source_prompt: str | list | None = field(default=None, compare=False)
+    """The row's prompt as the file gives it, before rendering (text or messages), for rewards that
+    read it (an arithmetic problem: its question); None: `prompt` is it."""
     prompt_ids: tuple[int, ...] | None = None
     """The prompt's tokens as the job tokenized the rendered text (`PromptFormat.tokenize`): what vLLM
     is given and the trainer trains on. None: vLLM tokenizes `prompt` itself."""
@@ -113,7 +116,7 @@ def _draw(key: str, split: str, n: int, family: str = "arithmetic") -> list[Prob
             if misses > MAX_MISSES:  # the split's pool is (nearly) exhausted
                 raise ValueError(f"could not draw {n} distinct {split} problems; ask for fewer")
             continue
-        seen[question] = Problem(prompt=question, answer=answer)
+        seen[question] = Problem(prompt=question, answer=answer, source_prompt=question)
         misses = 0
     return list(seen.values())
 

@@ -55,13 +55,13 @@ def eval_sets(evals: EvalConfig, data: DataConfig, reward: RewardConfig, generat
     """The sets of `evals` over `task` (its held-out problems, its Prompts and verifier); `k` and
     `count` (`rltools eval --k/--problems`) override every set's."""
     specs = evals.sets or {HELD_OUT: EvalSetConfig()}
-    rewards, own, sets = {reward.type: task.reward}, [], []
+    rewards, own, sets = {reward.kind: task.reward}, [], []
     for name, spec in specs.items():
-        kind = spec.reward or reward.type
-        if kind not in rewards:
-            rewards[kind] = make_reward(reward.model_copy(update={"type": kind}))
+        kind = spec.reward or reward.kind
+        if kind not in rewards:  # a set's own verifier: the one built-in type (custom: reward.function)
+            rewards[kind] = make_reward(reward.model_copy(update={"type": kind, "functions": []}))
             own.append(rewards[kind])
-        problems, available = _problems(name, spec, data, kind, task, count or spec.problems or evals.problems)
+        problems, available = _problems(name, spec, data, reward, task, count or spec.problems or evals.problems)
         sets.append(EvalSet(
             name, problems, available, k=1 if spec.greedy else k or spec.k or evals.k,
             temperature=0.0 if spec.greedy else _given(spec.temperature, generator.temperature),
@@ -75,7 +75,7 @@ def _given(value, default):
     return default if value is None else value
 
 
-def _problems(name: str, spec: EvalSetConfig, data: DataConfig, reward_type: str, task,
+def _problems(name: str, spec: EvalSetConfig, data: DataConfig, reward: RewardConfig, task,
               count: int | None) -> tuple[list[Problem], int]:
     if spec.path is None:
         if not hasattr(task, "eval"):  # generated: as many as asked
@@ -83,7 +83,7 @@ def _problems(name: str, spec: EvalSetConfig, data: DataConfig, reward_type: str
             return problems, len(problems)
         problems = task.eval
     else:
-        problems = set_problems(spec, data, reward_type, task.prompts.format)
+        problems = set_problems(spec, data, reward, task.prompts.format)
         problems = task.prompts.fitting(problems, f"eval.sets.{name}.path {spec.path}")
     if count is not None and count < len(problems):
         log.warning("eval set %s: evaluating the first %d of its %d problems (eval.problems or eval.sets.%s.problems)",
@@ -92,8 +92,9 @@ def _problems(name: str, spec: EvalSetConfig, data: DataConfig, reward_type: str
     return problems, len(problems)
 
 
-def set_problems(spec: EvalSetConfig, data: DataConfig, reward_type: str, fmt) -> list[Problem]:
+def set_problems(spec: EvalSetConfig, data: DataConfig, reward: RewardConfig, fmt) -> list[Problem]:
     """The problems of a set with a path of its own, read with its keys (default: data's) and rendered
-    by `fmt` (None: as the rows give them)."""
+    by `fmt` (None: as the rows give them); integer answers for an integer verifier (the set's, else the run's)."""
     keys = {"prompt_key": spec.prompt_key or data.prompt_key, "answer_key": spec.answer_key or data.answer_key}
-    return load_problems(spec.path, data.model_copy(update=keys), fmt, reward_type in INTEGER_TYPES)
+    integer = spec.reward in INTEGER_TYPES if spec.reward else reward.integer_answers
+    return load_problems(spec.path, data.model_copy(update=keys), fmt, integer)

@@ -138,7 +138,8 @@ def load_problems(path: str | Path, data: DataConfig, fmt: PromptFormat | None, 
             continue
         seen.add(key)
         columns = {k: v for k, v in row.items() if k != data.prompt_key}
-        problems.append(Problem(prompt=fmt.render(prompt, where) if fmt else prompt, answer=answer, columns=columns))
+        problems.append(Problem(prompt=fmt.render(prompt, where) if fmt else prompt, answer=answer, columns=columns,
+                                source_prompt=prompt))
     if dropped:
         log.info("%s: dropped %d repeated problems (data.dedupe), %d left", path, dropped, len(problems))
     return problems

@@ -15,7 +15,6 @@ from pathlib import Path
 from ..config.schema import DataConfig, RewardConfig
 from ..errors import UserError
 from ..reward import Reward, make_reward
-from ..reward.verifiers import INTEGER_TYPES
 from . import arithmetic
 from .arithmetic import Problem
 from .files import load_problems
@@ -112,10 +111,10 @@ def make_task(data: DataConfig, reward: RewardConfig, seed: int, model_path: str
     """The run's task; with `tokenizer` (in the job) every problem carries its prompt tokens."""
     prompts = Prompts(prompt_format(data, model_path), tokenizer, data.max_prompt_tokens)
     if data.type in arithmetic.FAMILIES:
-        if reward.type != "exact_integer":
+        if reward.kind not in ("exact_integer", "functions"):
             raise UserError(f"data.type {data.type} is scored by reward.type exact_integer, not {reward.type}")
         return ArithmeticTask(seed, make_reward(reward), prompts, data.type)
-    sources, held_out = file_problems(data, reward.type, prompts.format)
+    sources, held_out = file_problems(data, reward, prompts.format)
     specs = data.train_sources()
     sources = [prompts.fitting(problems, f"{key} {spec.path}")
                for (key, _), spec, problems in zip(train_keys(data), specs, sources)]
@@ -130,10 +129,10 @@ def train_keys(data: DataConfig) -> list[tuple[str, str]]:
     return [(f"data.train_mix[{i}].path", str(spec.path)) for i, spec in enumerate(data.train_mix)]
 
 
-def file_problems(data: DataConfig, reward_type: str, fmt: PromptFormat | None) -> tuple[list[list[Problem]], list[Problem] | None]:
+def file_problems(data: DataConfig, reward: RewardConfig, fmt: PromptFormat | None) -> tuple[list[list[Problem]], list[Problem] | None]:
     """Each training source's problems and the held-out problems of a file task, rendered (held-out None:
     the one training file is the held-out file too)."""
-    integer = reward_type in INTEGER_TYPES
+    integer = reward.integer_answers
     sources = []
     for spec in data.train_sources():
         keys = {"prompt_key": spec.prompt_key or data.prompt_key, "answer_key": spec.answer_key or data.answer_key}

@@ -81,15 +81,15 @@ class Episode:
     sampling: dict = field(default_factory=dict)
     """temperature / top_p of its requests (an eval set's); empty: the engine's."""
 
-    def sample(self, reward: float, group_id: int, index: int, multi_turn: bool = False,
-               reward_failed: bool = False) -> Sample:
+    def sample(self, reward: float, group_id: int, index: int, multi_turn: bool = False, **scored) -> Sample:
         """The finished episode as the rollout's sample; `multi_turn`: with which tokens the model
-        wrote (the mask) and its tool counts; `reward_failed`: its reward call failed (`reward` is 0)."""
+        wrote (the mask) and its tool counts; `scored`: how its reward came about (Sample's
+        reward_failed, scores, failed_functions: rltools.reward.failures.Scores.outcome)."""
         turns = {"completion_mask": self.mask, "turns": self.turns, "tool_calls": self.tool_calls,
                  "tool_errors": self.tool_errors} if multi_turn else {}
         return Sample(prompt_ids=self.prompt, completion_ids=self.token_ids, completion_logprobs=self.logprobs,
                       reward=reward, group_id=group_id, sample_index=index, finish_reason=self.finish_reason,
-                      text=self.last_turn, routed_experts=self.routed_experts, reward_failed=reward_failed, **turns)
+                      text=self.last_turn, routed_experts=self.routed_experts, **scored, **turns)
 
 
 def run_episodes(engine, problems: list, n: int, seeds: list[int], env: EnvConfig, max_tokens: int,

@@ -40,7 +40,8 @@ def evaluate_set(engine, s: EvalSet, env, seed: int) -> dict:
     groups = engine.sample(problems, n=k, seeds=[request_seed(seed, -1, i, k) for i in range(len(problems))], env=env,
                            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p)
     completions = [e for group in groups for e in group]
-    scores = s.reward.score([c.last_turn for c in completions], [p.answer for p in problems for _ in range(k)])
+    rows = [p for p in problems for _ in range(k)]
+    scores = s.reward.score([c.last_turn for c in completions], [p.answer for p in rows], rows)
     correct = np.array(scores).reshape(len(problems), k) > 0.5
     extract = answer_extractor(s.reward_type)
     answers = None if extract is None else np.array([extract(c.last_turn) for c in completions],

@@ -212,14 +212,15 @@ def sample_groups(engine: VLLMEngine, task, config, step: int, draw: int, share:
         env=config.env,
     )
     episodes = config.env.type != "single_turn"  # the rollouts carry which tokens the model wrote
+    rows = [problems[i] for i, group in zip(share, groups) for _ in group]
     scores = task.reward.score(  # RewardFailing (a UserError) when too many calls failed: the run stops
-        [e.last_turn for group in groups for e in group],
-        [problems[i].answer for i, group in zip(share, groups) for _ in group],
-    )
-    rewards, failed = iter(scores), iter(k in scores.failures.failed for k in range(len(scores)))
-    return [[e.sample(next(rewards), group_id(config, step, i, draw), j, multi_turn=episodes,
-                      reward_failed=next(failed)) for j, e in enumerate(group)]
-            for i, group in zip(share, groups)]
+        [e.last_turn for group in groups for e in group], [row.answer for row in rows], rows)
+    scored, first = [], 0  # first: the group's first call in `scores`
+    for i, group in zip(share, groups):
+        scored.append([e.sample(scores[first + j], group_id(config, step, i, draw), j, multi_turn=episodes,
+                                **scores.outcome(first + j)) for j, e in enumerate(group)])
+        first += len(group)
+    return scored
 
 
 def replace_uniform_groups(engine: VLLMEngine, task, config, step: int, share: list[int], groups: list[list[Sample]]):

@@ -36,7 +36,34 @@ def preflight(config: RLConfig) -> list[str]:
         check_model(config)
     if ("lora.init_from", config.lora.init_from) not in hidden:
         check_init_adapter(config.lora)
-    return notes + check_data(config, skip={path for _, path in hidden})
+    return notes + check_sandbox(config) + check_data(config, skip={path for _, path in hidden})
+
+
+def sandbox_users(config: RLConfig) -> list[str]:
+    """The keys that make the generators run code in the sandbox (bubblewrap)."""
+    reward = config.reward
+    users = [f"reward.functions[{i}].type code" for i, f in enumerate(reward.functions) if f.type == "code"]
+    users += ["reward.type code"] if not reward.functions and reward.type == "code" else []
+    users += [f"eval.sets.{name}.reward code" for name, spec in config.eval.sets.items() if spec.reward == "code"]
+    return users + (["env.tools python"] if config.env.type == "tools" and "python" in config.env.tools else [])
+
+
+def check_sandbox(config: RLConfig) -> list[str]:
+    """The local launcher runs the sandbox here: UserError naming what this node lacks. Under Slurm the
+    generators' nodes run it, so a note (each generator checks at start-up)."""
+    users = sandbox_users(config)
+    if not users:
+        return []
+    if config.cluster.launcher == "slurm":
+        return [f"{', '.join(users)}: the generator nodes need bubblewrap and user namespaces (docs/sandbox.md); "
+                "not checked from here; the generators check them as they start"]
+    from ..sandbox.host import check_host  # stdlib only: safe on the login side
+
+    try:
+        check_host()
+    except UserError as err:
+        raise UserError(f"{', '.join(users)} runs code in the sandbox, which cannot run here: {err}") from None
+    return []
 
 
 def check_model(config: RLConfig) -> dict:
@@ -221,14 +248,14 @@ def check_data(config: RLConfig, skip: set[str] = frozenset()) -> list[str]:
     notes = []
     for name, spec in config.eval.sets.items():
         if spec.path is not None and str(spec.path) not in skip:
-            set_problems(spec, data, spec.reward or config.reward.type, fmt)
+            set_problems(spec, data, config.reward, fmt)
     if data.type in arithmetic.FAMILIES:
         question = arithmetic.problems(config.run.seed, "eval", 1, data.type)[0].prompt
         first = fmt.render(question) if fmt else question
     else:
         if any(path in skip for _, path in [*train_keys(data), ("data.eval_path", str(data.eval_path))]):
             return notes
-        sources, _ = file_problems(data, config.reward.type, fmt)
+        sources, _ = file_problems(data, config.reward, fmt)
         first = sources[0][0].prompt
         for (key, path), problems in zip(train_keys(data), sources):
             if path_kind(path) == data.type:  # the name says it (data.type may be left out)

@@ -56,11 +56,25 @@ class RewardFailures:
 
 
 class Scores(list):
-    """One reward per call, in order (a list of floats), and `failures`: which calls failed and how."""
+    """One reward per call, in order (a list of floats), and `failures`: which calls failed and how;
+    a reward of several functions (or one returning named scores) also gives each score by name
+    (`named`: nan where a call did not give it) and the calls of each function that failed (`failed_by`)."""
 
-    def __init__(self, values, failures: RewardFailures | None = None):
+    def __init__(self, values, failures: RewardFailures | None = None, named: dict[str, list[float]] | None = None,
+                 failed_by: dict[str, set[int]] | None = None):
         super().__init__(values)
         self.failures = failures if failures is not None else RewardFailures(calls=len(self))
+        self.named = named or {}
+        self.failed_by = failed_by or {}
+
+    def outcome(self, k: int) -> dict:
+        """Whether call k failed and, for a reward of several scores, each score by name and the functions
+        that failed on it (keywords of a rollout Sample besides its reward)."""
+        outcome = {"reward_failed": k in self.failures.failed}
+        if self.named or self.failed_by:
+            outcome["scores"] = {name: values[k] for name, values in self.named.items()}
+            outcome["failed_functions"] = tuple(name for name, calls in self.failed_by.items() if k in calls)
+        return outcome
 
 
 class RewardFailing(UserError):

@@ -60,8 +60,10 @@ class TimeoutPool:
     """
 
     def __init__(self, reference: str, timeout_s: float, workers: int, fallback: float = 0.0,
-                 warmup: Warmup | None = None):
+                 warmup: Warmup | None = None, batched: bool = False):
         self.reference, self.timeout_s, self.fallback, self.warmup = reference, timeout_s, fallback, warmup
+        self.batched = batched
+        """Each call is a batch: its result is the worker's list of (status, value) replies, one per item."""
         self._workers: list[Worker] = []
         atexit.register(self.close)
         try:
@@ -79,7 +81,8 @@ class TimeoutPool:
         from_child_r, from_child_w = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
         process = subprocess.Popen(
-            [sys.executable, "-m", "rltools.reward.worker", self.reference, str(to_child_r), str(from_child_w)],
+            [sys.executable, "-m", "rltools.reward.worker", self.reference, str(to_child_r), str(from_child_w),
+             *(["batched"] if self.batched else [])],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env,
         )
         os.close(to_child_r)
@@ -95,7 +98,7 @@ class TimeoutPool:
             return
         _, requests, _ = worker
         try:
-            requests.send(self.warmup.args)
+            requests.send((self.warmup.args, {}))
         except OSError:  # it died after reporting ready: _reply says with which exit code
             pass
         status, value = self._reply(worker, deadline)
@@ -120,10 +123,11 @@ class TimeoutPool:
         except (EOFError, OSError):
             return "error", f"the worker exited with code {process.wait()}"
 
-    def map(self, calls: list[tuple], max_failures: int | None = None) -> Scores:
-        """Results of function(*args) for each args in `calls`, in order (fallback on failure), and
-        which calls failed; past `max_failures` failures the calls not yet sent are not made (their
-        results stay the fallback, and `failures.calls` counts only those made)."""
+    def map(self, calls: list[tuple[tuple, dict]], max_failures: int | None = None) -> Scores:
+        """Results of function(*args, **kwargs) for each (args, kwargs) in `calls`, in order (fallback on
+        failure; a float, a dict of named floats, or a batched call's list of replies), and which calls
+        failed; past `max_failures` failures the calls not yet sent are not made (their results stay
+        the fallback, and `failures.calls` counts only those made)."""
         results = [self.fallback] * len(calls)
         failures = RewardFailures()
         pending = list(enumerate(calls))[::-1]
@@ -136,9 +140,9 @@ class TimeoutPool:
         while busy or more():
             while idle and more():
                 slot = idle.pop()
-                index, args = pending.pop()
+                index, call = pending.pop()
                 _, requests, replies = self._workers[slot]
-                requests.send(args)
+                requests.send(call)
                 failures.calls += 1
                 busy[replies] = (index, time.monotonic() + self.timeout_s, slot)
             soonest = min(deadline for _, deadline, _ in busy.values())
@@ -165,7 +169,7 @@ class TimeoutPool:
             failures.add(index, ERROR, f"its worker process died (exit code {code})")
             log.debug("reward worker died on call %d (exit code %d): scored %s", index, code, self.fallback)
             return self.fallback
-        if status == "ok":
+        if status in ("ok", "batch"):
             return value
         if status == "raised":
             failures.add(index, ERROR, value)

@@ -48,6 +48,8 @@ class Sample:
     tool_calls: int = 0
     tool_errors: int = 0
     reward_failed: bool = False  # the reward call failed (rltools/reward/failures.py): `reward` is its 0
+    scores: dict[str, float] | None = None  # a reward of several scores: each by name (nan: not given)
+    failed_functions: tuple[str, ...] = ()  # a reward of several functions: those whose call failed
 
 
 EPISODE = {"completion_mask": np.uint8, "turns": np.int16, "tool_calls": np.int16, "tool_errors": np.int16}
@@ -76,6 +78,9 @@ class RolloutBatch:
     tool_errors: np.ndarray | None = None  # int16 [n] calls that failed
     slot_sizes: tuple[int, ...] = ()  # samples of each joined shard, in slot order (`concat`); not stored
     reward_failures: int = 0  # samples whose reward call failed and scored 0 (timed out, raised, not a number)
+    scores: np.ndarray | None = None  # float32 [n, len(score_names)]: each named score (nan: not given)
+    score_names: tuple[str, ...] = ()  # the reward's named scores (rltools/reward/verifiers.py), columns of `scores`
+    failures_by: tuple[tuple[str, int], ...] = ()  # (function, samples whose call of it failed), several functions
 
     DTYPES = {
         "prompt_ids": np.int32,
@@ -118,6 +123,8 @@ class RolloutBatch:
                 raise ValueError("RolloutBatch.routed_experts: each sample needs one row per prompt token and per "
                                  "completion token but the last")
 
+        if self.scores is not None and (self.scores.dtype != np.float32 or self.scores.shape != (n, len(self.score_names))):
+            raise ValueError(f"RolloutBatch.scores: expected float32 [{n}, {len(self.score_names)}] for the score names")
         present = [name for name in EPISODE if getattr(self, name) is not None]
         if present and len(present) != len(EPISODE):
             raise ValueError(f"RolloutBatch episode arrays come together: {', '.join(EPISODE)}")
@@ -139,6 +146,15 @@ class RolloutBatch:
         if self.completion_mask is None:
             return np.ones(self.completion_offsets[i + 1] - self.completion_offsets[i], dtype=np.float32)
         return self.completion_mask[self.completion_offsets[i] : self.completion_offsets[i + 1]].astype(np.float32)
+
+    def score_metrics(self) -> dict[str, float | int]:
+        """reward/<name>: each named score's mean over the samples that gave it; reward_failures/<function>."""
+        means = {}
+        for j, name in enumerate(self.score_names):
+            given = self.scores[:, j][~np.isnan(self.scores[:, j])]
+            if len(given):
+                means[f"reward/{name}"] = float(given.mean())
+        return {**means, **{f"reward_failures/{name}": count for name, count in self.failures_by}}
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -206,6 +222,7 @@ class RolloutBatch:
             generation_seconds=generation_seconds,
             prompts_drawn=prompts_drawn,
             reward_failures=sum(s.reward_failed for s in samples),
+            **_named_scores(samples),
             **routed,
         )
 
@@ -228,7 +245,36 @@ class RolloutBatch:
                 joined[name] = np.concatenate([getattr(b, name) for b in batches])
         texts = None if any(b.texts is None for b in batches) else sum((b.texts for b in batches), ())
         seconds = max((b.generation_seconds for b in batches), default=0.0)  # ranks generate in parallel
+        names = tuple(dict.fromkeys(name for b in batches for name in b.score_names))
+        scores = {}
+        if names:  # slots may lack a score no sample of theirs gave: nan
+            scores["scores"] = np.concatenate([_columns(b, names) for b in batches])
+        failures = {}
+        for b in batches:
+            for name, count in b.failures_by:
+                failures[name] = failures.get(name, 0) + count
         return cls(**joined, policy_version=min(b.policy_version for b in batches), texts=texts,
                    generation_seconds=seconds, prompts_drawn=sum(b.prompts_drawn for b in batches),
-                   slot_sizes=tuple(len(b) for b in batches), reward_failures=sum(b.reward_failures for b in batches))
+                   slot_sizes=tuple(len(b) for b in batches), reward_failures=sum(b.reward_failures for b in batches),
+                   score_names=names, failures_by=tuple(failures.items()), **scores)
+
+
+def _named_scores(samples: Sequence[Sample]) -> dict:
+    """The scores, score_names and failures_by of a batch of `samples` ({} for a reward of one score)."""
+    names = tuple(dict.fromkeys(name for s in samples for name in (s.scores or {})))
+    functions = dict.fromkeys(name for s in samples for name in s.failed_functions)
+    if not names and not functions:
+        return {}
+    scores = np.array([[(s.scores or {}).get(name, np.nan) for name in names] for s in samples],
+                      dtype=np.float32).reshape(len(samples), len(names))
+    failures = tuple((name, sum(name in s.failed_functions for s in samples)) for name in functions)
+    return {"scores": scores if names else None, "score_names": names, "failures_by": failures}
+
+
+def _columns(batch: RolloutBatch, names: tuple[str, ...]) -> np.ndarray:
+    """`batch`'s scores in the columns `names` (nan where it has none of one)."""
+    out = np.full((len(batch), len(names)), np.nan, dtype=np.float32)
+    for j, name in enumerate(batch.score_names):
+        out[:, names.index(name)] = batch.scores[:, j]
+    return out
 

@@ -14,6 +14,8 @@ Invariants:
 
 from pathlib import Path
 
+import json
+
 import h5py
 import numpy as np
 import xxhash
@@ -25,6 +27,7 @@ SCHEMA_VERSION = 1
 CHECKSUM = "xxh3_64"
 TEXT_BYTES, TEXT_OFFSETS = "text_bytes", "text_offsets"
 ROUTES = ("routed_experts", "routed_offsets")  # optional, like the texts
+SCORES = "scores"  # optional: float32 [samples, named scores], the names in the attribute score_names
 
 
 class ShardError(RuntimeError):
@@ -43,6 +46,8 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
             generation_seconds=batch.generation_seconds,
             prompts_drawn=batch.prompts_drawn,
             reward_failures=batch.reward_failures,
+            score_names=json.dumps(batch.score_names),
+            failures_by=json.dumps(batch.failures_by),
         )
         for name, array in batch.arrays.items():
             f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
@@ -54,6 +59,8 @@ def write_shard(path: Path, batch: RolloutBatch, *, run_id: str, step: int, rank
             for name in ROUTES:
                 array = getattr(batch, name)
                 f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
+        if batch.scores is not None:  # the reward's named scores, a column each
+            f.create_dataset(SCORES, data=batch.scores).attrs[CHECKSUM] = _checksum(batch.scores)
         for name, array in batch.episodes.items():  # multi-turn: the loss mask and per-episode counts
             f.create_dataset(name, data=array).attrs[CHECKSUM] = _checksum(array)
     fsync_path(path.parent)  # make the rename itself durable
@@ -74,12 +81,16 @@ def read_shard(path: Path, *, run_id: str, step: int, rank: int) -> RolloutBatch
             seconds = float(f.attrs.get("generation_seconds", 0.0))
             drawn = int(f.attrs.get("prompts_drawn", 0))
             failures = int(f.attrs.get("reward_failures", 0))
+            named = {"score_names": tuple(json.loads(f.attrs.get("score_names", "[]"))),
+                     "failures_by": tuple((name, int(n)) for name, n in json.loads(f.attrs.get("failures_by", "[]")))}
+            if SCORES in f:
+                named["scores"] = _read_checked(path, f, SCORES)
     except (OSError, KeyError) as err:
         raise ShardError(f"{path}: not a readable rollout shard ({err}); `rltools resume` of the run deletes it and "
                          "its generator writes it again") from err
     try:
         batch = RolloutBatch(**arrays, **optional, policy_version=policy_version, texts=texts, generation_seconds=seconds,
-                             prompts_drawn=drawn, reward_failures=failures)
+                             prompts_drawn=drawn, reward_failures=failures, **named)
     except ValueError as err:
         raise ShardError(f"{path}: inconsistent rollout shard: {err}") from err
     if len(batch) != sample_count:

@@ -97,6 +97,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                 append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
                                        "engines": len(fleet.live), "reassigned_samples": reassigned,
                                        "prompts_drawn": batch.prompts_drawn, "reward_failures": batch.reward_failures,
+                                       **batch.score_metrics(),
                                        **({"logprob_gap": max(gaps), "logprob_gap_engines": gaps} if gaps else {}),
                                        "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
                                        "generation_s": batch.generation_seconds, "wait_s": waited,

@@ -7,6 +7,8 @@ adapter served by vLLM) over a verl-format parquet dataset scored by a custom 'm
 
 import json
 
+import pytest
+
 from rltools.cli import main
 from tests.integration.test_local_launcher import submit
 
@@ -79,7 +81,8 @@ def test_lora_adapter_over_a_verl_parquet_with_a_custom_reward(repo, tmp_path, c
         repo, run_dir, "schedule.steps=2", "eval.problems=16", "generator.weight_sync=lora",
         "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]", f"data.train_path={data}", f"data.eval_path={data}",
         "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth", "schedule.keep_rollout_steps=2",
-        "reward.type=custom", "reward.function=rltools.data.arithmetic:reward", "reward.workers=1",
+        "reward.functions=[{function: tests.unit.reward_fns:format_and_correct, weight: {correct: 1, format: 0.25}}]",
+        "reward.workers=1",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(repo / "rltools" / "assets" / "tiny-arith")
@@ -96,3 +99,26 @@ def test_lora_adapter_over_a_verl_parquet_with_a_custom_reward(repo, tmp_path, c
     assert (fewer["sets"]["held_out"]["k"], fewer["sets"]["held_out"]["n_problems"], fewer["step"]) == (2, 8, 2)
     assert latest["avg_at_k"] > 0  # the tiny model adds two-digit numbers: the pooled reward scores it
     assert "maj_at_k" not in latest  # a custom reward extracts no answers to vote on
+    # The function read the row's data_source and prompt; its two named scores are logged apart, weighted.
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert m["reward/format"] > 0.5 and 0 < m["reward/correct"] < 1, m
+        assert m["reward_mean"] == pytest.approx(m["reward/correct"] + 0.25 * m["reward/format"], abs=1e-5)
+    assert {"train/reward/correct", "train/reward/format"} <= tensorboard_tags(run_dir)
+
+
+def tensorboard_tags(run_dir) -> set[str]:
+    """The scalar tags of a run's TensorBoard event files (TFRecord framing: length, crc, event, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    tags = set()
+    for path in (run_dir / "tb").glob("events.out.tfevents.*"):
+        data, at = path.read_bytes(), 0
+        while at + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            tags |= {value.tag for value in event.summary.value}
+            at += 12 + length + 4
+    return tags

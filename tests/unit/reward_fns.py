@@ -54,3 +54,31 @@ def fails_on_odd_answers(completion, answer):
 
 def infinite(completion, answer):
     return float("inf")
+
+
+def format_and_correct(completion, answer, prompt, data_source=None):
+    """Two named scores from the row: the answer's correctness, and a format score that rows of
+    data_source 'arith' (with a prompt) grant to a completion of digits alone."""
+    return {"correct": float(completion.strip() == str(answer)),
+            "format": float(bool(prompt) and data_source == "arith" and completion.strip().isdigit())}
+
+
+def sees_the_row(completion, answer, **row):
+    """1.0 iff the call carried the prompt and the column 'level' (any keyword is taken)."""
+    return float("prompt" in row and row.get("level") == 3)
+
+
+def batched_exact(completions, answers, prompts, level):
+    """A batched function: lists in, one score per completion out."""
+    return [float(c == str(a)) + 0 * len(p) + 0 * (lv or 0) for c, a, p, lv in zip(completions, answers, prompts, level)]
+
+
+def batched_too_few(completions, answers):
+    return [1.0]
+
+
+async def async_exact(completion, answer):
+    import asyncio
+
+    await asyncio.sleep(0)
+    return float(completion == str(answer))

@@ -231,3 +231,24 @@ def test_an_mla_model_of_a_head_size_vllm_cpu_cannot_run_is_refused_on_cpu_gener
     err = capsys.readouterr().err
     assert "kv_lora_rank + qk_rope_head_dim = 576 only" in err and "32 + 16 = 48" in err, err
     assert main([*argv, "--set", "cluster.generators.gpus_per_node=1"]) == 0, "GPU generators have no such limit"
+
+
+def test_code_in_the_sandbox_is_checked_here_for_the_local_launcher_and_noted_under_slurm(repo, tmp_path, capsys,
+                                                                                          monkeypatch):
+    from rltools.config import load_config
+    from rltools.errors import UserError
+    from rltools.launch import preflight
+    from rltools.sandbox import host
+
+    config = load_config(repo / "configs" / "demo.yaml", ["reward.functions=[{type: code}, {type: exact_integer}]"])
+    assert preflight.sandbox_users(config) == ["reward.functions[0].type code"]
+
+    def no_userns():
+        raise UserError("user namespaces are off")
+
+    monkeypatch.setattr(host, "check_host", no_userns)
+    with pytest.raises(UserError, match="reward.functions\\[0\\].type code runs code in the sandbox, which cannot run "
+                                        "here: user namespaces are off"):
+        preflight.check_sandbox(config)
+    slurm = load_config(repo / "configs" / "demo.yaml", ["reward.type=code", "cluster.launcher=slurm"])
+    assert "reward.type code: the generator nodes need bubblewrap" in preflight.check_sandbox(slurm)[0]

@@ -144,7 +144,7 @@ def test_pool_survives_hangs_errors_crashes_and_junk():
     pool = TimeoutPool("tests.unit.reward_fns:hang", timeout_s=0.5, workers=2)
     try:
         start = time.perf_counter()
-        scores = pool.map([("a", 1)] * 3)
+        scores = pool.map([(("a", 1), {})] * 3)
         assert scores == [0.0, 0.0, 0.0]
         assert time.perf_counter() - start < 0.5 * 2 + 10  # ceil(3 / 2) deadlines + worker restarts
         assert scores.failures.failed == {0: TIMEOUT, 1: TIMEOUT, 2: TIMEOUT} and scores.failures.calls == 3
@@ -154,7 +154,7 @@ def test_pool_survives_hangs_errors_crashes_and_junk():
                               ("not_a_number", NOT_A_NUMBER, "returned 'yes', not a finite number")):
         pool = TimeoutPool(f"tests.unit.reward_fns:{name}", timeout_s=5, workers=1)
         try:
-            scores = pool.map([("a", 1), ("b", 2)])
+            scores = pool.map([(("a", 1), {}), (("b", 2), {})])
             assert scores == [0.0, 0.0], name
             assert scores.failures.failed == {0: kind, 1: kind} and first in scores.failures.first, scores.failures
         finally:
@@ -164,7 +164,7 @@ def test_pool_survives_hangs_errors_crashes_and_junk():
 def test_pool_returns_results_in_order():
     pool = TimeoutPool("tests.unit.reward_fns:length_is_answer", timeout_s=5, workers=2)
     try:
-        calls = [("x" * i, 3) for i in range(8)]
+        calls = [(("x" * i, 3), {}) for i in range(8)]
         assert pool.map(calls) == [1.0 if i == 3 else 0.0 for i in range(8)]
     finally:
         pool.close()
@@ -174,7 +174,7 @@ def test_warm_up_keeps_a_slow_first_call_out_of_the_deadline():
     # the first call of each worker takes 1.5 s (a lazy import), three times reward.timeout_s
     pool = TimeoutPool("tests.unit.reward_fns:slow_first_call", timeout_s=0.5, workers=2, warmup=Warmup(("1", 1), 1.0))
     try:
-        assert pool.map([("33", 33), ("7", 7), ("8", 9)]) == [1.0, 1.0, 0.0]
+        assert pool.map([(("33", 33), {}), (("7", 7), {}), (("8", 9), {})]) == [1.0, 1.0, 0.0]
     finally:
         pool.close()
 
@@ -183,7 +183,7 @@ def test_warm_up_keeps_a_slow_first_call_out_of_the_deadline():
 def test_a_replaced_worker_is_warm_before_its_next_call(failure):
     pool = TimeoutPool("tests.unit.reward_fns:slow_first_call", timeout_s=0.5, workers=1, warmup=Warmup(("1", 1), 1.0))
     try:
-        assert pool.map([(failure, 1), ("33", 33), ("34", 34)]) == [0.0, 1.0, 1.0]
+        assert pool.map([((failure, 1), {}), (("33", 33), {}), (("34", 34), {})]) == [0.0, 1.0, 1.0]
     finally:
         pool.close()
 
