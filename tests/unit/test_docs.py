@@ -27,3 +27,10 @@ def test_every_relative_link_in_the_docs_leads_to_a_file(repo):
 
 def test_the_readme_fits_a_screenful_of_scrolling(repo):
     assert len((repo / "README.md").read_text().splitlines()) <= 300, "move detail to docs/"
+
+
+def test_the_model_matrix_doc_is_generated_from_the_tested_table(repo):
+    from rltools.models import ARCHITECTURES, TESTED, render
+
+    assert (repo / "docs" / "models.md").read_text() == render(), "run: python -m rltools.models"
+    assert any(status == TESTED for a in ARCHITECTURES for status in a.sync.values())
