@@ -10,9 +10,11 @@ tolerances; trained weights after AdamW, which amplifies such differences, at th
 """
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rltools.config.schema import AlgorithmConfig, LoraConfig, ModelConfig
 from rltools.paths import RunPaths
@@ -358,3 +360,34 @@ def test_adapter_export_loads_in_peft(layout, trained, tiny_model, tmp_path):
     for name, tensor in merged.items():  # the merged full-weight export agrees with peft's merge
         torch.testing.assert_close(run["weights"][name], tensor, rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "qwen3_moe"])
+def test_qwen3_mistral_and_qwen3_moe_logits_and_grpo_steps_equal_the_hf_model_and_fsdp2(arch, tmp_path):
+    """The families users train most, at TP=2: Qwen3 (per-head q/k RMS norms, grouped-query
+    attention), Mistral (head_dim 32 where hidden / heads is 16) and Qwen3-MoE (megatron's MoE layers
+    with a softmax router and no shared expert, under sequence parallelism): logits equal
+    transformers', the weight export is the checkpoint, and two GRPO steps follow the FSDP2 backend's."""
+    from .test_models import build
+
+    model = build(arch, tmp_path / arch)
+    torch.manual_seed(0)
+    torch.save(dict(export_adapter(load_policy(model, LORA))), tmp_path / "initial_adapter.pt")
+    run = _spawn(2, model.path, tmp_path, "train", tp=2)
+    hf = load_policy(model, LoraConfig(enabled=False))
+    ids, mask = _ids()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    diff = (run["logits"] - expected)[mask.bool()].abs().max().item()
+    assert diff < 1e-4, f"max |TP=2 - HF| logit {diff:.2e}"
+    base = load_file(str(Path(model.path) / "model.safetensors"))  # the checkpoint's layout: experts one by one
+    assert run["base_weights"].keys() == base.keys() and all(torch.equal(run["base_weights"][n], base[n]) for n in base)
+    out = tmp_path / "fsdp.pt"
+    _train_one_step(0, 1, model.path, 0, str(out), lora=LORA)  # seed 0 adapters, as the Megatron run starts
+    fsdp = torch.load(out)
+    for ours, theirs in zip(run["metrics"], fsdp["metrics"]):
+        assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4) and ours["grad_norm"] > 0
+    assert_runs_agree({"adapter": run["adapter_after_2"], "weights": run["weights_after_2"]}, fsdp, lr=LR,
+                      grad_norms=[m["grad_norm"] for m in fsdp["metrics"]], lora_scale=LORA.alpha / LORA.rank,
+                      lora_rank=LORA.rank)

@@ -45,22 +45,17 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         **(_RECOMPUTE if recompute else {}),
     )
     rotary_base = int(rope_parameters(hf).get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-    if shape.mla:
+    if shape.experts:
         _without_transformer_engine()
-        config = MLATransformerConfig(
-            **common, kv_channels=hf.v_head_dim, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
-            qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
-            qk_layernorm=True, rotary_base=rotary_base, **mla_rope(hf),
-            num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
-            moe_shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size or None,
-            moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=hf.routed_scaling_factor,
-            moe_router_num_groups=hf.n_group if hf.n_group > 1 else None,
-            moe_router_group_topk=hf.topk_group if hf.n_group > 1 else None,
-            moe_router_dtype="fp32",  # transformers scores the router in float32 too
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # the router is frozen
-            moe_layer_freq=[int(shape.is_moe(i)) for i in range(hf.num_hidden_layers)],
-        )
+        moe = _moe(hf, shape)
+        if shape.mla:
+            config = MLATransformerConfig(
+                **common, kv_channels=hf.v_head_dim, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+                qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+                qk_layernorm=True, rotary_base=rotary_base, **mla_rope(hf), **moe)
+        else:
+            config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim,
+                                       qk_layernorm=shape.qk_norm, **moe)
         spec = _with_frozen_norms(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                                              normalization="RMSNorm"))
         if packed_experts:
@@ -68,10 +63,12 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         for layer_spec in spec.layer_specs:
             attention = layer_spec.submodules.self_attention.submodules
             attention.core_attention = core_attention(dtype)
-            attention.linear_q_down_proj = attention.linear_kv_down_proj = _replicated_linear()
+            if shape.mla:
+                attention.linear_q_down_proj = attention.linear_kv_down_proj = _replicated_linear()
     else:
-        config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim)
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        config = TransformerConfig(**common, num_query_groups=hf.num_key_value_heads, kv_channels=shape.head_dim,
+                                   qk_layernorm=shape.qk_norm)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
         spec.submodules.self_attention.submodules.core_attention = core_attention(dtype)
     gpt = GPTModel(
         config=config, transformer_layer_spec=spec,
@@ -86,6 +83,26 @@ def build_gpt(hf, dtype: torch.dtype, tensor_parallel: int, pipeline_parallel: i
         # weights inside the layers would get no gradient (later stages receive inputs that do).
         gpt.embedding.register_forward_hook(_output_needs_grad)
     return gpt
+
+
+def _moe(hf, shape: convert.Shape) -> dict:
+    """The MoE settings of megatron's TransformerConfig that compute what transformers' model does:
+    DeepSeek-V3's sigmoid scores with the correction bias, groups and a scaling factor, and shared
+    experts; Qwen3-MoE's softmax (over the top-k logits when norm_topk_prob renormalises them, else
+    over all experts first) and no shared expert."""
+    common = dict(num_moe_experts=shape.experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
+                  moe_router_topk=hf.num_experts_per_tok,
+                  moe_router_dtype="fp32",  # transformers scores the router in float32 too
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # the router is frozen
+                  moe_layer_freq=[int(shape.is_moe(i)) for i in range(hf.num_hidden_layers)])
+    if not shape.expert_bias:  # Qwen3-MoE
+        return {**common, "moe_router_score_function": "softmax", "moe_router_pre_softmax": not hf.norm_topk_prob}
+    return dict(
+        **common, moe_shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size or None,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=hf.routed_scaling_factor,
+        moe_router_num_groups=hf.n_group if hf.n_group > 1 else None,
+        moe_router_group_topk=hf.topk_group if hf.n_group > 1 else None)
 
 
 def rope_parameters(hf) -> dict:

@@ -1,4 +1,5 @@
-"""Hugging Face Llama or DeepSeek-V3 <-> Megatron GPTModel weights, and their tensor-parallel shards.
+"""Hugging Face Llama-family (Llama, Mistral, Qwen3) or DeepSeek-V3 <-> Megatron GPTModel weights, and
+their tensor-parallel shards.
 
 Pure tensor functions, no process groups. Invariants:
 - `to_megatron` and `to_hf` are exact inverses (they only copy, concatenate and slice).
@@ -12,6 +13,7 @@ Pure tensor functions, no process groups. Invariants:
   dense MLP; routed experts are named by their global index and are never split over TP (expert
   tensor parallelism is 1: expert parallelism spreads whole experts); the router and its score
   correction bias are replicated.
+- Qwen3's per-head q/k norms (`self_attn.q_norm`) are megatron's `q_layernorm`/`k_layernorm`, replicated.
 """
 
 from dataclasses import dataclass
@@ -22,6 +24,9 @@ import torch
 # MLA projection (megatron, under `self_attention.`) -> its HF projection (under `self_attn.`)
 MLA = {"linear_q_down_proj": "q_a_proj", "linear_q_up_proj": "q_b_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
        "linear_kv_up_proj": "kv_b_proj", "q_layernorm": "q_a_layernorm", "kv_layernorm": "kv_a_layernorm"}
+
+
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model types whose attention norms each query and key head
 
 
 @dataclass(frozen=True)
@@ -35,16 +40,21 @@ class Shape:
     dense_layers: int | None = None  # the first layers with a dense MLP, the others MoE (None: all dense)
     experts: int = 0  # routed experts per MoE layer
     shared_experts: bool = False
+    qk_norm: bool = False  # Qwen3: an RMS norm over each query and key head, before RoPE
+    expert_bias: bool = False  # DeepSeek-V3's router score correction bias
+
 
     @classmethod
     def from_hf(cls, config) -> "Shape":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        moe = bool(getattr(config, "n_routed_experts", None))
+        experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None) or 0
+        deepseek = hasattr(config, "n_routed_experts")
         return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
                    bool(config.tie_word_embeddings), mla=getattr(config, "kv_lora_rank", None) is not None,
-                   dense_layers=config.first_k_dense_replace if moe else None,
-                   experts=config.n_routed_experts if moe else 0,
-                   shared_experts=moe and bool(getattr(config, "n_shared_experts", 0)))
+                   # Qwen3-MoE: every layer (support.py refuses mlp_only_layers and a decoder_sparse_step)
+                   dense_layers=(config.first_k_dense_replace if deepseek else 0) if experts else None,
+                   experts=experts, shared_experts=bool(experts) and bool(getattr(config, "n_shared_experts", 0)),
+                   qk_norm=getattr(config, "model_type", None) in QK_NORM_TYPES, expert_bias=bool(experts) and deepseek)
 
     def is_moe(self, layer: int) -> bool:
         return self.dense_layers is not None and layer >= self.dense_layers
@@ -66,12 +76,16 @@ def name_map(shape: Shape) -> dict[str, tuple[str, ...]]:
                 names[f"{m}self_attention.{megatron}.weight"] = (f"{h}self_attn.{hf}.weight",)
         else:
             names[m + "self_attention.linear_qkv.weight"] = tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv")
+        if shape.qk_norm:
+            for p in "qk":
+                names[f"{m}self_attention.{p}_layernorm.weight"] = (f"{h}self_attn.{p}_norm.weight",)
         names[m + "self_attention.linear_proj.weight"] = (h + "self_attn.o_proj.weight",)
         names[m + "pre_mlp_layernorm.weight"] = (h + "post_attention_layernorm.weight",)
         mlps = {"mlp.": "mlp."}
         if shape.is_moe(i):
             names[m + "mlp.router.weight"] = (h + "mlp.gate.weight",)
-            names[m + "mlp.router.expert_bias"] = (h + "mlp.gate.e_score_correction_bias",)
+            if shape.expert_bias:
+                names[m + "mlp.router.expert_bias"] = (h + "mlp.gate.e_score_correction_bias",)
             mlps = {f"mlp.experts.local_experts.{e}.": f"mlp.experts.{e}." for e in range(shape.experts)}
             if shape.shared_experts:
                 mlps["mlp.shared_experts."] = "mlp.shared_experts."

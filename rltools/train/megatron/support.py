@@ -8,6 +8,9 @@ from .build import rope_parameters, yarn_unsupported
 from .lora import LINEARS
 
 
+MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
 def check_supported(config, hf_config, world_size: int) -> None:
     """UserError for every setting this backend does not build yet (rather than a late failure); the
     config-only part already ran at submit time (config.support.megatron_unsupported)."""
@@ -26,8 +29,11 @@ def check_supported(config, hf_config, world_size: int) -> None:
         missing.append(f"{hf_config.num_hidden_layers} layers over trainer.pipeline_parallel {pipeline_parallel} "
                        "stages (it must divide the layer count)")
     model_type = getattr(hf_config, "model_type", "?")
-    if model_type not in ("llama", "deepseek_v3") or getattr(hf_config, "hidden_act", "silu") != "silu":
-        missing.append(f"model type {model_type} (Llama-family and DeepSeek-V3 only)")
+    if model_type not in MODEL_TYPES or getattr(hf_config, "hidden_act", "silu") != "silu":
+        missing.append(f"model type {model_type} ({', '.join(MODEL_TYPES)} only)")
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    if window:
+        missing.append(f"sliding-window attention (sliding_window {window})")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         missing.append("attention/MLP biases")
     rope = rope_parameters(hf_config)
@@ -38,12 +44,14 @@ def check_supported(config, hf_config, world_size: int) -> None:
         missing.append(f"RoPE scaling {rope_type}" + (" (YaRN on MLA models only)" if rope_type == "yarn" else ""))
     if model_type == "deepseek_v3":
         missing += _deepseek_unsupported(hf_config, tensor_parallel, expert_parallel)
+    elif model_type == "qwen3_moe":
+        missing += _qwen3_moe_unsupported(hf_config, tensor_parallel, expert_parallel)
     elif hf_config.num_key_value_heads % tensor_parallel:
         missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads")
     elif expert_parallel != 1:
         missing.append(f"trainer.expert_parallel {expert_parallel} on a dense model (it has no experts)")
     if config.algorithm.routing_replay and model_type != "deepseek_v3":
-        missing.append("algorithm.routing_replay on a dense model (it has no routers)")
+        missing.append(f"algorithm.routing_replay on a {model_type} model (DeepSeek-V3's routers only)")
     if config.model.quantization != "none" and model_type != "deepseek_v3":
         missing.append(f"model.quantization: {config.model.quantization} on a dense model (this backend keeps the "
                        "routed experts of a MoE model packed; it would dequantise every weight of this one)")
@@ -67,6 +75,19 @@ def _adaptable(shape: convert.Shape) -> set[str]:
     kinds += ["mlp.shared_experts."] if shape.shared_experts else []
     names = {p.rsplit(".", 1)[1] for path, (_, ps) in LINEARS.items() if path.startswith(tuple(kinds)) for p in ps}
     return names | ({"lm_head"} if not shape.tied else set())  # a tied lm_head is the (frozen) embedding
+
+
+def _qwen3_moe_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> list[str]:
+    """What of a Qwen3-MoE config this backend would build otherwise than transformers does."""
+    missing = []
+    if hf.mlp_only_layers or hf.decoder_sparse_step != 1:
+        missing.append(f"Qwen3-MoE dense layers (mlp_only_layers {hf.mlp_only_layers}, decoder_sparse_step "
+                       f"{hf.decoder_sparse_step}): every layer must be MoE")
+    if hf.num_key_value_heads % tensor_parallel:
+        missing.append(f"trainer.tensor_parallel {tensor_parallel} must divide the KV heads")
+    if hf.num_experts % expert_parallel:
+        missing.append(f"trainer.expert_parallel {expert_parallel} must divide the {hf.num_experts} routed experts")
+    return missing
 
 
 def _deepseek_unsupported(hf, tensor_parallel: int, expert_parallel: int) -> list[str]:
