@@ -16,6 +16,7 @@ CHECKPOINT_MARKER = "COMPLETE"
 """Written last into a checkpoint directory: without it the directory is debris of a crashed save."""
 _STEP_NAME = re.compile(r"step_(\d+)")
 _ATTEMPT_NAME = re.compile(r"attempt_(\d+)")
+_STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 
 
 class RunPaths:
@@ -176,6 +177,31 @@ class RunPaths:
     def eval_log(self) -> Path:
         """One JSON line per held-out evaluation during training (written by generator rank 0 only)."""
         return self.root / "eval.jsonl"
+
+    # -- completions people read (rltools.completions) ---------------------------------------
+    @property
+    def samples_dir(self) -> Path:
+        return self.root / "samples"
+
+    def step_samples(self, step: int) -> Path:
+        """A sample of the rollouts trained at `step` (0-based, metrics.jsonl's step), one JSON line each."""
+        return self.samples_dir / f"step_{step}.jsonl"
+
+    def sample_steps(self) -> dict[int, Path]:
+        """Existing step sample files by step (temporaries excluded)."""
+        matches = ((_STEP_FILE.fullmatch(entry.name), entry) for entry in self._entries(self.samples_dir))
+        return {int(match.group(1)): entry for match, entry in matches if match}
+
+    def eval_samples_root(self, adhoc: bool = False) -> Path:
+        """The evaluations' completions: the run's own, or (adhoc) those `rltools eval` kept."""
+        return self.eval_dir / ("adhoc" if adhoc else "samples")
+
+    def eval_samples_dir(self, step: int, adhoc: bool = False) -> Path:
+        """The completions of the evaluation after `step` optimizer steps, a `<set>.jsonl` per eval set."""
+        return self.eval_samples_root(adhoc) / f"step_{step}"
+
+    def eval_sample_steps(self, adhoc: bool = False) -> dict[int, Path]:
+        return self._steps_in(self.eval_samples_root(adhoc))
 
     @property
     def tensorboard(self) -> Path:

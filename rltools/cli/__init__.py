@@ -14,6 +14,7 @@ from ..errors import UserError
 from ..launch.plan import describe, plan
 from ..launch.run_dir import prepare_run_dir
 from ..launch.sbatch import render_sbatch
+from . import samples
 from .eval import cmd_eval
 
 
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--local", dest="where", action="store_const", const="local",
                        help="run here, in this process (default when cluster.launcher is local)")
     evaluate.set_defaults(func=cmd_eval)
+
+    samples.add_parser(commands)
 
     bench = commands.add_parser("bench", help="measure a data plane against its raw reference")
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")

@@ -41,6 +41,9 @@ def cmd_eval(args) -> int:
         with (contextlib.nullcontext() if args.verbose else _output_to_log()), \
                 contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout carries the result only
             result = run_eval(config, args.checkpoint, k=args.k, problems=args.problems, paths=paths)
+    if "completions" in result:
+        print(f"completions kept in {result['completions']}: rltools samples {paths.root} --eval --adhoc --step "
+              f"{result['step']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
         return 0

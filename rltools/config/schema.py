@@ -29,6 +29,10 @@ class RunConfig(Section):
     """Run directory (created with mode 0700). Default: runs/<run.name> under the current directory."""
     seed: int = 0
     """Seed for data order, sampling and initialisation; the same seed reproduces the run."""
+    samples_per_step: int = Field(16, ge=0)
+    """Completions of each trained step kept readable in samples/step_N.jsonl (prompt, completion, reward,
+    advantage, finish reason, engine, policy version; `rltools samples RUN` prints them): whole groups, as
+    many as fit (at least one), drawn by (seed, step). 0: none. Evaluations keep all their completions."""
 
 
 class ModelConfig(Section):

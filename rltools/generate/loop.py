@@ -189,7 +189,8 @@ class Weights:
     def evaluate(self) -> None:
         """Evaluate the served policy (this version) on the eval sets and record the result."""
         faults.point("generator.eval", self.version)
-        record_eval(self.paths, evaluate(self.engine, self.sets, self.config.env, self.config.run.seed), self.version)
+        results, completions = evaluate(self.engine, self.sets, self.config.env, self.config.run.seed)
+        record_eval(self.paths, results, self.version, completions)
 
     def _rejoin(self, err: GroupBroken) -> None:
         log.warning("the weight-sync group broke (%s): joining its next generation", err)

@@ -7,6 +7,7 @@ problems, same per-problem seeds, same verifier) on the policy `resolve_checkpoi
 
 import os
 
+from ..completions import write_eval_completions
 from ..config.schema import RLConfig
 from ..paths import RunPaths
 from ..policy_exports import Policy, resolve_checkpoint
@@ -18,8 +19,10 @@ def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None,
     """Evaluate policy `checkpoint` (base, latest, step_N) of the run at `paths` (default: config.run.dir)
     on every eval set; k and problems override each set's. Returns {"checkpoint", "step", "sets": {name:
     summary}} (a summary's keys: avg_at_k, stderr, k, pass_at_k, maj_at_k, n_problems,
-    per_problem_accuracy, token statistics, sampling)."""
-    policy = resolve_checkpoint(paths or RunPaths(config.run.dir), checkpoint)
+    per_problem_accuracy, token statistics, sampling), and "completions": the directory that keeps them
+    (eval/adhoc/step_N/, replacing the last `rltools eval` of that policy) when the run directory exists."""
+    paths = paths or RunPaths(config.run.dir)
+    policy = resolve_checkpoint(paths, checkpoint)
     for name, value in config.cluster.environment.items():  # the environment the run's roles had
         os.environ.setdefault(name, value)
     from ..data.eval_sets import eval_sets
@@ -30,11 +33,16 @@ def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None,
     sets = eval_sets(config.eval, config.data, config.reward, config.generator, task, k=k, count=problems)
     try:
         engine = open_policy(config, policy)
-        results = evaluate(engine, sets, config.env, config.run.seed)
+        results, completions = evaluate(engine, sets, config.env, config.run.seed)
     finally:
         sets.close()
         task.reward.close()
-    return {"checkpoint": policy.name, "step": policy.step, "sets": results}
+    kept = {}
+    if paths.config.is_file():  # a run directory (a CONFIG's base model may have none: nothing to keep it in)
+        kept_in = paths.eval_samples_dir(policy.step, adhoc=True)
+        write_eval_completions(kept_in, completions)
+        kept = {"completions": str(kept_in)}
+    return {"checkpoint": policy.name, "step": policy.step, "sets": results, **kept}
 
 
 def open_policy(config: RLConfig, policy: Policy):

@@ -26,7 +26,7 @@ RESUMABLE = (
     "cluster",  # where and how long the job runs
     "schedule.steps",  # the run's length (not below its latest checkpoint: `rltools resume` checks)
     "schedule.checkpoint_every", "schedule.keep_checkpoints", "schedule.keep_rollout_steps",  # cadence, retention
-    "schedule.eval_every", "eval.keep_full_exports",
+    "schedule.eval_every", "eval.keep_full_exports", "run.samples_per_step",
     "schedule.rollout_timeout_s", "trainer.sync_timeout_s", "generator.sync_timeout_s",  # deadlines
     "generator.heartbeat_timeout_s", "generator.max_engine_restarts", "generator.min_engines",  # lost engines
     "reward.timeout_s", "reward.max_failure_fraction",  # a reward that failed too often (`reward.failures`)

@@ -77,6 +77,7 @@ class RolloutBatch:
     tool_calls: np.ndarray | None = None  # int16 [n]
     tool_errors: np.ndarray | None = None  # int16 [n] calls that failed
     slot_sizes: tuple[int, ...] = ()  # samples of each joined shard, in slot order (`concat`); not stored
+    slot_versions: tuple[int, ...] = ()  # policy version of each joined shard, in slot order (`concat`); not stored
     reward_failures: int = 0  # samples whose reward call failed and scored 0 (timed out, raised, not a number)
     scores: np.ndarray | None = None  # float32 [n, len(score_names)]: each named score (nan: not given)
     score_names: tuple[str, ...] = ()  # the reward's named scores (rltools/reward/verifiers.py), columns of `scores`
@@ -255,7 +256,8 @@ class RolloutBatch:
                 failures[name] = failures.get(name, 0) + count
         return cls(**joined, policy_version=min(b.policy_version for b in batches), texts=texts,
                    generation_seconds=seconds, prompts_drawn=sum(b.prompts_drawn for b in batches),
-                   slot_sizes=tuple(len(b) for b in batches), reward_failures=sum(b.reward_failures for b in batches),
+                   slot_sizes=tuple(len(b) for b in batches), slot_versions=tuple(b.policy_version for b in batches),
+                   reward_failures=sum(b.reward_failures for b in batches),
                    score_names=names, failures_by=tuple(failures.items()), **scores)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import policy_exports
+from .. import completions, policy_exports
 from ..adapter_init import check_init_adapter
 from ..config import load_config
 from ..config.schema import LoraConfig
@@ -37,6 +37,7 @@ from .backend import Backend
 from .backends import build_backend
 from .fleet import Fleet, FleetTooSmall
 from .publish import Publisher
+from .samples import StepSamples
 
 log = logging.getLogger("rltools.trainer")
 
@@ -67,6 +68,8 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
     try:
         _agree_to_stop(stop, env)  # a warning during start-up: requeue now rather than start a step
         publisher = Publisher(env, paths, config, backend, stop)
+        samples = StepSamples(paths, config.run.samples_per_step if env.rank == 0 else 0, config.run.seed,
+                              config.model.path)  # rank 0 keeps a readable sample of each step
         if sends_start_policy(config, done):
             publisher.send(done)  # generators take the checkpoint's (or lora.init_from's) weights before generating
         stop.starting = False  # from here on a signal is answered with a checkpoint
@@ -107,6 +110,7 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                          "train %.2fs sync %.2fs, generators busy %.2fs", done, schedule.steps, metrics["loss"],
                          metrics["grad_norm"], metrics["reward_mean"], metrics["kl"], metrics["entropy"], waited,
                          trained, synced, sync_wait)
+                samples.write(step, batch, backend.trainer.advantages, fleet.slots(step))
             if done % schedule.checkpoint_every == 0 or done == schedule.steps:
                 backend.save(paths, done, keep=schedule.keep_checkpoints)
                 checkpointed = done
@@ -126,8 +130,8 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
     whose adapters come from lora.init_from when it is set).
 
     Trainer rank 0 first deletes what a crash left behind (unfinished checkpoints), sets damaged
-    checkpoints aside, and, once the checkpoint is known, drops the metrics and evaluations of steps
-    it does not contain and the shards the resumed run may not use."""
+    checkpoints aside, and, once the checkpoint is known, drops the metrics, evaluations and kept
+    completions of steps it does not contain and the shards the resumed run may not use."""
     if env.rank == 0:
         for debris in checkpoints.clean_incomplete(paths):
             log.warning("deleted %s: an interrupted checkpoint", debris)
@@ -145,6 +149,7 @@ def resume(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollo
         init_adapters(config.lora, backend)
     if env.rank == 0:
         resume_metrics(paths, start)
+        completions.drop_after(paths, start)
         policy_exports.drop_after(paths, start)
         discarded = store.discard_unusable(start, config.schedule.max_staleness)
         if discarded:

@@ -67,13 +67,7 @@ class Trainer:
             raise ValueError("algorithm.routing_replay: these rollouts carry no routed experts (their generator ran "
                              "without routing replay: the two roles' configs differ)")
         algorithm = self.algorithm
-        parts = recipe(algorithm)
-        rewards = torch.from_numpy(batch.rewards)
-        if algorithm.overlong == "penalty":
-            lengths = torch.from_numpy(np.diff(batch.completion_offsets))
-            rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, algorithm.overlong_buffer)
-        advantages, metrics = group_advantages(rewards, torch.from_numpy(batch.group_ids),
-                                               scale_by_std=parts.scale_by_std)
+        advantages, metrics = self.advantages(batch)
         local = np.array_split(np.arange(len(batch)), self.world_size)[self.rank]
         self._proximal = None
         if algorithm.tis_cap is not None and algorithm.mini_batches > 1:
@@ -104,6 +98,16 @@ class Trainer:
             metrics["tool_error_rate"] = float(batch.tool_errors.sum() / calls) if calls else 0.0  # per call
             metrics["turns_mean"] = float(batch.turns.mean())
         return metrics
+
+    def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The step's advantages [N] (over the whole batch: groups stay whole) and their metrics: the
+        group-relative advantages of the rewards, DAPO's overlong penalty added under `overlong: penalty`."""
+        rewards = torch.from_numpy(batch.rewards)
+        if self.algorithm.overlong == "penalty":
+            lengths = torch.from_numpy(np.diff(batch.completion_offsets))
+            rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, self.algorithm.overlong_buffer)
+        return group_advantages(rewards, torch.from_numpy(batch.group_ids),
+                                scale_by_std=recipe(self.algorithm).scale_by_std)
 
     def _set_learning_rate(self, update: int) -> float:
         """Give the optimizer the learning rate of update `update` of the run; returns it."""

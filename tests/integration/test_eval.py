@@ -6,6 +6,7 @@ adapter served by vLLM) over a verl-format parquet dataset scored by a custom 'm
 """
 
 import json
+import re
 
 import pytest
 
@@ -42,8 +43,15 @@ def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, ca
                 "training_s", "sync_s", "staleness"):
         assert key in lines[0]
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_2", "step_4"]
+    readable_completions_are_kept(run_dir, capsys)
     base, latest = eval_json(capsys, run_dir, "base"), eval_json(capsys, run_dir, "latest")
     assert (base["step"], latest["step"]) == (0, 4)
+    for step in (0, 4):  # `rltools eval` kept its completions, the very ones the run's evaluation sampled
+        kept = run_dir / "eval" / "adhoc" / f"step_{step}"
+        assert [base, latest][step // 4]["completions"] == str(kept)
+        for name in ("sampled", "greedy"):
+            own = run_dir / "eval" / "samples" / f"step_{step}" / f"{name}.jsonl"
+            assert (kept / f"{name}.jsonl").read_text() == own.read_text()
     for ours, theirs in ((base, recorded(run_dir, 0)), (latest, recorded(run_dir, 4))):
         assert list(ours["sets"]) == list(theirs["sets"]) == ["sampled", "greedy"]
         for name in ours["sets"]:
@@ -59,6 +67,33 @@ def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, ca
     status = capsys.readouterr().out
     assert "eval sampled avg@8: step 0" in status and "eval greedy avg@1: step 0" in status, status
     assert main(["plot", str(run_dir), "-o", str(tmp_path / "run.png")]) == 0
+
+
+def readable_completions_are_kept(run_dir, capsys):
+    """Each step keeps whole groups of its rollouts (run.samples_per_step: 16 = two groups of 8), every
+    evaluation all its completions; `rltools samples` prints the worst of either."""
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [f"step_{s}.jsonl" for s in range(4)]
+    rows = [json.loads(line) for line in (run_dir / "samples" / "step_3.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and len({r["group"] for r in rows}) == 2
+    for key in ("prompt", "completion", "reward", "advantage", "finish_reason", "engine", "policy_version", "slot"):
+        assert all(key in r for r in rows), key
+    assert all("What is" in r["prompt"] and r["policy_version"] in (2, 3) for r in rows)
+    for group in {r["group"] for r in rows}:  # dr_grpo: the reward minus its group's mean
+        assert abs(sum(r["advantage"] for r in rows if r["group"] == group)) < 1e-4
+    evaluated = run_dir / "eval" / "samples" / "step_4" / "sampled.jsonl"
+    problems = [json.loads(line) for line in evaluated.read_text().splitlines()]
+    summary = recorded(run_dir, 4)["sets"]["sampled"]
+    assert [p["accuracy"] for p in problems] == summary["per_problem_accuracy"] and len(problems) == 48
+    assert all(len(p["completions"]) == 8 for p in problems)
+    assert {"completion", "score", "correct", "extracted", "finish_reason", "tokens"} <= set(problems[0]["completions"][0])
+    capsys.readouterr()
+    assert main(["samples", str(run_dir), "--worst", "-n", "16"]) == 0
+    printed = [float(r) for r in re.findall(r"\| reward (-?[\d.]+)", capsys.readouterr().out)]
+    assert len(printed) == 16 and printed == sorted(printed) and printed[0] == min(r["reward"] for r in rows)
+    assert main(["samples", str(run_dir), "--eval", "sampled", "--worst"]) == 0
+    out = capsys.readouterr().out
+    shown = [float(a) for a in re.findall(r"\| accuracy ([\d.]+)", out)]
+    assert out.startswith("eval after 4 steps, sampled") and shown == sorted(summary["per_problem_accuracy"])[:3]
 
 
 def test_lora_adapter_over_a_verl_parquet_with_a_custom_reward(repo, tmp_path, capsys, one_process_vllm):
@@ -105,6 +140,8 @@ def test_lora_adapter_over_a_verl_parquet_with_a_custom_reward(repo, tmp_path, c
         assert m["reward/format"] > 0.5 and 0 < m["reward/correct"] < 1, m
         assert m["reward_mean"] == pytest.approx(m["reward/correct"] + 0.25 * m["reward/format"], abs=1e-5)
     assert {"train/reward/correct", "train/reward/format"} <= tensorboard_tags(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "samples" / "step_0.jsonl").read_text().splitlines()]
+    assert rows and all(set(r["scores"]) == {"correct", "format"} for r in rows)  # each sample's named scores
 
 
 def tensorboard_tags(run_dir) -> set[str]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
-LOGIN_SIDE = ["rltools.cli", "rltools.config", "rltools.config.reference", "rltools.launch.local",
-              "rltools.launch.preflight", "rltools.launch.run_dir", "rltools.launch.run_lock",
+LOGIN_SIDE = ["rltools.cli", "rltools.completions", "rltools.config", "rltools.config.reference",
+              "rltools.launch.local", "rltools.launch.preflight", "rltools.launch.run_dir", "rltools.launch.run_lock",
               "rltools.launch.sbatch", "rltools.launch.slurm", "rltools.monitor.logs", "rltools.monitor.progress",
               "rltools.monitor.status", "rltools.plot", "rltools.policy_exports", "rltools.weight_formats"]
 HEAVY = ("torch", "vllm", "transformers", "megatron", "peft")

@@ -33,11 +33,12 @@ def test_resume_extends_a_completed_run_and_writes_its_new_config(completed, cap
     paths, launched = completed
     capsys.readouterr()
     assert main(["resume", str(paths.root), "--set", "schedule.steps=30", "--set", "schedule.eval_every=5",
-                 "--set", "cluster.time=01:00:00"]) == 0
+                 "--set", "cluster.time=01:00:00", "--set", "run.samples_per_step=64"]) == 0
     err = capsys.readouterr().err
     assert [c.schedule.steps for c in launched] == [30]
     stored = load_config(paths.config)
     assert (stored.schedule.steps, stored.schedule.eval_every, stored.cluster.time) == (30, 5, "01:00:00")
+    assert stored.run.samples_per_step == 64  # what a step keeps to read made nothing the run trained on
     assert stored.model_copy(update={"schedule": launched[0].schedule, "cluster": launched[0].cluster}) == launched[0]
     assert "latest checkpoint holds 20 of 30 steps" in err
     # the horizon moved: the rate at step 20 is the new curve's (0.1 + 0.9 x (1 + cos(2 pi / 3)) / 2 = 0.325 of 1e-3)
