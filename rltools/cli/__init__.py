@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..launch.plan import describe, plan
 from ..launch.run_dir import prepare_run_dir
 from ..launch.sbatch import render_sbatch
-from . import samples
+from . import check_model, samples
 from .eval import cmd_eval
 
 
@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_eval)
 
     samples.add_parser(commands)
+    check_model.add_parser(commands)
 
     bench = commands.add_parser("bench", help="measure a data plane against its raw reference")
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
