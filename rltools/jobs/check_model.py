@@ -45,8 +45,9 @@ class Outcome:
 
 
 def check(model: ModelConfig, kinds: list[str], targets: list[str], workdir: Path, log=print) -> list[Outcome]:
-    """Train, sync and compare for each kind in `kinds` (lora on an engine of its own; adapted and full
-    share one, in that order); returns each kind's Outcome."""
+    """Train, sync and compare for each kind in `kinds` (those vLLM serves as an adapter, lora, on an
+    engine of their own; the dense ones, adapted and full, on one, in `kinds`' order); returns each
+    kind's Outcome."""
     from ..generate.vllm_engine import VLLMEngine
     from ..train.fsdp2 import FSDP2Backend
     from ..train.model import load_policy
@@ -56,7 +57,8 @@ def check(model: ModelConfig, kinds: list[str], targets: list[str], workdir: Pat
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the sync is applied inside the worker, from here
     lora = LoraConfig(rank=4, alpha=8, target_modules=targets)
     outcomes = []
-    for group in [g for g in (["lora"], [k for k in ("adapted", "full") if k in kinds]) if set(g) & set(kinds)]:
+    groups = [[k for k in kinds if not FORMATS[k].dense], [k for k in kinds if FORMATS[k].dense]]
+    for group in [g for g in groups if g]:
         torch.manual_seed(0)
         policy = load_policy(model, lora)
         trainer = Trainer(policy, AlgorithmConfig(learning_rate=5e-2), micro_batch_size=8, max_new_tokens=6,
@@ -73,9 +75,9 @@ def check(model: ModelConfig, kinds: list[str], targets: list[str], workdir: Pat
                 fmt = FORMATS[kind](model.path, lora)
                 sent = list(fmt.export(backend))  # as the publisher asks for it
                 adapter_dir = workdir / f"adapter_v{version}"
-                # lora: this one worker writes the adapter, as sync rank 1 does (no weight-sync group here)
+                # an adapter: this one worker writes it, as sync rank 1 does (no weight-sync group here)
                 engine.llm.collective_rpc(lambda worker: fmt.apply(
-                    SimpleNamespace(rltools_writes_files=True) if kind == "lora" else worker, iter(sent), adapter_dir))
+                    worker if fmt.dense else SimpleNamespace(rltools_writes_files=True), iter(sent), adapter_dir))
                 fmt.serve(engine, adapter_dir, version)
                 engine.llm.reset_prefix_cache()
                 outcomes.append(Outcome(kind, _gap(policy, _rollouts(engine, version)), before))
