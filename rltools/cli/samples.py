@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..completions import eval_set_names, read_rows
 from ..errors import UserError
-from ..monitor.records import read_json, set_results
+from ..records import read_json, set_results
 from ..monitor.status import open_run
 from ..paths import RunPaths
 

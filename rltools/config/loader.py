@@ -53,7 +53,9 @@ def apply_override(raw: dict, override: str) -> None:
     node = raw
     parts = key.strip().split(".")
     for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or null as a dumped config has an optional section that is off
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise UserError(f"--set {override!r}: {'.'.join(parts[:depth + 1])} is not a section")
         node = child

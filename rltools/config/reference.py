@@ -8,6 +8,7 @@ when the file is out of date.
 import json
 import sys
 from pathlib import Path
+from types import UnionType
 from typing import get_args, get_origin
 
 from pydantic import BaseModel
@@ -42,18 +43,24 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         else:
             default = f"`{json.dumps(field.default)}`"
         description = " ".join((field.description or "").split())
-        cells = [f"`{key}`", type_name(annotation), default, description]
-        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
         element = _element_model(annotation)
-        if element is not None:  # a list or dict of sections: their keys, under `key[i]` / `key.<name>`
-            rows += _rows(element, f"{key}[i]" if get_origin(annotation) is list else f"{key}.<name>")
+        kind = "section or null" if element is not None and isinstance(annotation, UnionType) else type_name(annotation)
+        cells = [f"`{key}`", kind, default, description]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        if element is not None:  # sections in a list, a dict or optional: their keys, under key[i] / key.<name> / key
+            under = {list: f"{key}[i]", dict: f"{key}.<name>"}.get(get_origin(annotation), key)
+            rows += _rows(element, under)
     return rows
 
 
 def _element_model(annotation) -> type[BaseModel] | None:
-    """The section type of a list[Section] or dict[str, Section] field, else None."""
-    args = get_args(annotation) if get_origin(annotation) in (list, dict) else ()
-    last = args[-1] if args else None
+    """The section type of a list[Section], dict[str, Section] or `Section | None` field, else None."""
+    if isinstance(annotation, UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        last = args[0] if len(args) == 1 else None
+    else:
+        args = get_args(annotation) if get_origin(annotation) in (list, dict) else ()
+        last = args[-1] if args else None
     return last if isinstance(last, type) and issubclass(last, BaseModel) else None
 
 

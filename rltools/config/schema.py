@@ -19,6 +19,7 @@ from .inputs import (  # noqa: F401  (re-exported)
     SourceConfig,
     path_kind,
 )
+from .trackers import MlflowConfig, TrackersConfig, WandbConfig  # noqa: F401  (re-exported)
 from .types import EnvPath, RunName, Section
 
 
@@ -381,6 +382,9 @@ class RLConfig(Section):
     """Held-out evaluation (avg@k)."""
     cluster: ClusterConfig = ClusterConfig()
     """Where and how the job runs."""
+    trackers: TrackersConfig = TrackersConfig()
+    """Experiment trackers (Weights & Biases, MLflow) that trainer rank 0 logs to, besides metrics.jsonl
+    and TensorBoard; each is off unless its key is present."""
 
     @model_validator(mode="after")
     def _lora_sync_needs_linear_adapters(self):

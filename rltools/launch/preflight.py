@@ -10,11 +10,13 @@ data files the roles will read (problems, keys, answers, templates). The checks 
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from ..config.schema import RLConfig, path_kind
 from ..errors import UserError
 from ..models import untested_note
+from ..tracking import check_installed, enabled
 from ..weight_formats import weight_format
 from ..adapter_init import check_init_adapter
 from .memory import check_memory
@@ -34,6 +36,7 @@ def preflight(config: RLConfig) -> list[str]:
              + ("; each role checks it first thing, before it loads the model)" if key == "model.path" else ")")
              for key, path in hidden]
     check_nvfp4_serving(config)
+    notes += check_trackers(config)
     if ("model.path", config.model.path) not in hidden:
         notes += untested_note(check_model(config).get("model_type"))
     if ("lora.init_from", config.lora.init_from) not in hidden:
@@ -66,6 +69,17 @@ def check_sandbox(config: RLConfig) -> list[str]:
     except UserError as err:
         raise UserError(f"{', '.join(users)} runs code in the sandbox, which cannot run here: {err}") from None
     return []
+
+
+def check_trackers(config: RLConfig) -> list[str]:
+    """The packages of the trackers turned on, when the job runs this Python (the trainer checks again
+    as it starts, where it runs); a note when it runs another (cluster.python, a container)."""
+    cluster = config.cluster
+    if cluster.container.runtime == "none" and cluster.python in (None, sys.executable):
+        check_installed(config.trackers)
+        return []
+    return [f"trackers.{name}: its package is not checked here (the job runs another Python); the trainer checks "
+            "it as it starts" for name in enabled(config.trackers)]
 
 
 def check_model(config: RLConfig) -> dict:

@@ -30,6 +30,7 @@ RESUMABLE = (
     "schedule.rollout_timeout_s", "trainer.sync_timeout_s", "generator.sync_timeout_s",  # deadlines
     "generator.heartbeat_timeout_s", "generator.max_engine_restarts", "generator.min_engines",  # lost engines
     "reward.timeout_s", "reward.max_failure_fraction",  # a reward that failed too often (`reward.failures`)
+    "trackers",  # where the numbers are also logged (a tracker turned on later gets the run's records so far)
 )
 
 

@@ -7,6 +7,6 @@ from metrics.jsonl and eval/, and which component failed from the exit files the
 The package sits above `rltools.launch` (it reads the lock and Slurm's state) and launch never
 imports it: the launcher is handed its progress display by its caller.
 
-Import from the submodules: `status` (the run's state), `records` (metrics and evaluation
-results), `logs` (task logs) and `progress` (the live display and its step line).
+Import from the submodules: `status` (the run's state), `logs` (task logs) and `progress` (the live
+display and its step line); metrics and evaluation results are read by `rltools.records`.
 """

@@ -11,7 +11,7 @@ from collections import deque
 
 from ..config.schema import HELD_OUT, RLConfig
 from ..paths import RunPaths
-from .records import eval_files, parse_records, read_evals, read_json, set_results
+from ..records import eval_files, parse_records, read_evals, read_json, set_results
 
 
 class Progress:

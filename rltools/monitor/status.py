@@ -22,7 +22,7 @@ from ..runtime.fleet import LEFT, FleetRecord, joined_engines
 from ..runtime.preempt import EXIT_STOPPED
 from .logs import failing_log_tail
 from .progress import eta, step_line
-from .records import read_evals, read_json, read_metrics, set_results
+from ..records import read_evals, read_json, read_metrics, set_results
 
 COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
 UNSEEN_S = 120.0  # a submitted job squeue has not shown by then is not going to appear

@@ -1,9 +1,10 @@
 """The trainer role: wait for a step's rollouts, update the policy, broadcast the new weights.
 
-Reads top to bottom. Trainer rank 0 owns the step counter and metrics.jsonl, and hosts the
-weight-sync group; every trainer rank trains (FSDP2 when there are several) and takes part in
-gathering the full weights before rank 0 broadcasts policy version step+1. A stop signal, from the
-first instant of the process on, ends the run at a checkpoint of the steps done.
+Reads top to bottom. Trainer rank 0 owns the step counter, metrics.jsonl and the experiment trackers
+(`rltools.tracking`), and hosts the weight-sync group; every trainer rank trains (FSDP2 when there
+are several) and takes part in gathering the full weights before rank 0 broadcasts policy version
+step+1. A stop signal, from the first instant of the process on, ends the run at a checkpoint of the
+steps done.
 """
 
 import json
@@ -30,6 +31,7 @@ from ..runtime.address import publish_address, wait_for_address
 from ..runtime.preempt import EXIT_STOPPED, StopFlag, Stopped, requeue
 from ..runtime.role_env import RoleEnv
 from ..runtime.roles import eval_due, gpu_index, sends_start_policy, slots
+from ..tracking.trackers import Trackers
 from ..weight_formats import ADAPTER_WEIGHTS
 from ..weight_sync import bound_store
 from . import checkpoints
@@ -64,6 +66,7 @@ def run_trainer(run_dir: str) -> int:
 def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: RolloutStore, stop: StopFlag) -> int:
     """Resume, then train to schedule.steps; on a stop signal, checkpoint the steps done."""
     done = checkpointed = resume(env, paths, config, backend, store)
+    trackers = Trackers.start(config.trackers, paths, config.run.name, done) if env.rank == 0 else Trackers()
     schedule = config.schedule
     try:
         _agree_to_stop(stop, env)  # a warning during start-up: requeue now rather than start a step
@@ -97,27 +100,37 @@ def train(env: RoleEnv, paths: RunPaths, config, backend: Backend, store: Rollou
                 tokens = int(batch.completion_offsets[-1])
                 fleet = publisher.fleet.trained(step, batch.slot_sizes)
                 reassigned = sum(batch.slot_sizes[slot] for slot in fleet.covered(step))
-                append_metrics(paths, {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
-                                       "engines": len(fleet.live), "reassigned_samples": reassigned,
-                                       "prompts_drawn": batch.prompts_drawn, "reward_failures": batch.reward_failures,
-                                       **batch.score_metrics(),
-                                       **({"logprob_gap": max(gaps), "logprob_gap_engines": gaps} if gaps else {}),
-                                       "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
-                                       "generation_s": batch.generation_seconds, "wait_s": waited,
-                                       "training_s": trained, "sync_s": synced, "sync_wait_s": sync_wait,
-                                       "time": time.time()})
+                record = {**metrics, "step": step, "staleness": staleness, "samples": len(batch),
+                          "engines": len(fleet.live), "reassigned_samples": reassigned,
+                          "prompts_drawn": batch.prompts_drawn, "reward_failures": batch.reward_failures,
+                          **batch.score_metrics(),
+                          **({"logprob_gap": max(gaps), "logprob_gap_engines": gaps} if gaps else {}),
+                          "generated_tokens": tokens, "gen_tokens_per_s": _rate(tokens, batch),
+                          "generation_s": batch.generation_seconds, "wait_s": waited,
+                          "training_s": trained, "sync_s": synced, "sync_wait_s": sync_wait, "time": time.time()}
+                append_metrics(paths, record)
+                trackers.log_step(record)  # and the evaluations the generators wrote since
                 log.info("step %d/%d: loss %.4f grad norm %.3f reward %.3f kl %.4f entropy %.3f | wait %.2fs "
                          "train %.2fs sync %.2fs, generators busy %.2fs", done, schedule.steps, metrics["loss"],
                          metrics["grad_norm"], metrics["reward_mean"], metrics["kl"], metrics["entropy"], waited,
                          trained, synced, sync_wait)
-                samples.write(step, batch, backend.trainer.advantages, fleet.slots(step))
+                kept = samples.write(step, batch, backend.trainer.advantages, fleet.slots(step))
+                if kept:
+                    trackers.table("samples", kept, done)  # the step's kept completions, readable in the tracker
             if done % schedule.checkpoint_every == 0 or done == schedule.steps:
                 backend.save(paths, done, keep=schedule.keep_checkpoints)
                 checkpointed = done
             if env.rank == 0:  # one deleter: two ranks removing the same directory race (FileNotFoundError)
                 store.prune(consumed_through=step, checkpointed_through=checkpointed - 1)
     except Stopped as signal_name:
+        trackers.close("stopped")
         return stop_at_checkpoint(env, paths, config, backend, done, str(signal_name), stop.is_warning)
+    except BaseException:
+        trackers.close("failed")
+        raise
+    # the generators evaluate the final policy after this broadcast: the trackers get it within a deadline
+    trackers.wait_for_eval(schedule.steps, config.trackers.final_eval_timeout_s, give_up=lambda: stop.requested)
+    trackers.close("finished")
     return 0
 
 

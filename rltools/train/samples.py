@@ -34,12 +34,12 @@ class StepSamples:
             tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.tokenizer = tokenizer
 
-    def write(self, step: int, batch: RolloutBatch, advantages_of: Callable, engines: list[int]) -> None:
+    def write(self, step: int, batch: RolloutBatch, advantages_of: Callable, engines: list[int]) -> list[dict]:
         """Keep a sample of step `step`'s `batch`; `advantages_of(batch)` gives the advantages [N] the step
         trained on and their metrics (`Trainer.advantages`), `engines` the engine of each slot
-        (`FleetRecord.slots`)."""
+        (`FleetRecord.slots`). Returns the rows written ([] when off)."""
         if not self.limit:
-            return
+            return []
         advantages = advantages_of(batch)[0].numpy()
         slots = slot_of_each(batch)
         rows = []
@@ -48,6 +48,7 @@ class StepSamples:
             rows.append(sample_row(batch, i, advantage=float(advantages[i]), slot=slot,
                                    engine=engines[slot] if slot < len(engines) else None, **self._texts(batch, i)))
         write_step_samples(self.paths, step, rows)
+        return rows
 
     def _texts(self, batch: RolloutBatch, i: int) -> dict:
         decode = self.tokenizer.decode

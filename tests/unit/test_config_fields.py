@@ -24,6 +24,8 @@ checked per class.
 
 import ast
 from pathlib import Path
+from types import UnionType
+from typing import get_args
 
 import jinja2
 from jinja2 import nodes
@@ -32,7 +34,16 @@ from pydantic import BaseModel
 from rltools.config.schema import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DECLARE_ONLY = {"rltools/config/schema.py", "rltools/config/cluster.py", "rltools/config/inputs.py", "rltools/config/loader.py", "rltools/config/reference.py"}
+DECLARE_ONLY = {"rltools/config/schema.py", "rltools/config/cluster.py", "rltools/config/inputs.py",
+                "rltools/config/trackers.py", "rltools/config/loader.py", "rltools/config/reference.py"}
+
+
+def section_type(annotation) -> type[BaseModel] | None:
+    """The section class of a field: `TrainerConfig`, or an optional one (`WandbConfig | None`: absent = off)."""
+    if isinstance(annotation, UnionType):
+        models = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = models[0] if len(models) == 1 else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def config_fields(model: type[BaseModel] = RLConfig, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -40,8 +51,8 @@ def config_fields(model: type[BaseModel] = RLConfig, prefix: str = "") -> list[t
     ("cluster.generators.nodes", "ComponentConfig", "nodes")."""
     fields = []
     for name, field in model.model_fields.items():
-        kind = field.annotation
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
+        kind = section_type(field.annotation)
+        if kind is not None:
             fields += config_fields(kind, f"{prefix}{name}.")
         else:
             fields.append((f"{prefix}{name}", model.__name__, name))
@@ -52,9 +63,10 @@ def section_keys(model: type[BaseModel] = RLConfig) -> dict[str, str]:
     """Attribute name -> section class name: {"trainer": "TrainerConfig", "generators": "ComponentConfig", ...}."""
     keys = {}
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            keys[name] = field.annotation.__name__
-            keys.update(section_keys(field.annotation))
+        kind = section_type(field.annotation)
+        if kind is not None:
+            keys[name] = kind.__name__
+            keys.update(section_keys(kind))
     return keys
 
 

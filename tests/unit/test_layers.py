@@ -18,7 +18,7 @@ LOGIN_SIDE = ["rltools.cli", "rltools.completions", "rltools.config", "rltools.c
               "rltools.launch.local", "rltools.launch.preflight", "rltools.launch.run_dir", "rltools.launch.run_lock",
               "rltools.launch.sbatch", "rltools.launch.slurm", "rltools.monitor.logs", "rltools.monitor.progress",
               "rltools.monitor.status", "rltools.plot", "rltools.policy_exports", "rltools.weight_formats"]
-HEAVY = ("torch", "vllm", "transformers", "megatron", "peft")
+HEAVY = ("torch", "vllm", "transformers", "megatron", "peft", "wandb", "mlflow")
 
 
 def allowed_edges() -> dict[str, set[str]]:

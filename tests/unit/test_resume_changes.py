@@ -67,6 +67,13 @@ def test_resume_refuses_keys_that_made_the_run_and_lists_those_it_may_change(com
     assert not launched and paths.config.read_text() == before
 
 
+def test_resume_may_turn_a_tracker_on(completed, monkeypatch):
+    monkeypatch.setattr("rltools.tracking.find_spec", lambda name: object())  # as if mlflow were installed
+    paths, launched = completed
+    assert main(["resume", str(paths.root), "--set", "schedule.steps=30", "--set", "trackers.mlflow.experiment=grpo"]) == 0
+    assert launched[0].trackers.mlflow.experiment == load_config(paths.config).trackers.mlflow.experiment == "grpo"
+
+
 def test_resume_never_shortens_a_run_past_its_checkpoint(completed, capsys):
     paths, launched = completed
     assert main(["resume", str(paths.root), "--set", "schedule.steps=10"]) == 2

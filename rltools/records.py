@@ -1,4 +1,6 @@
 """The records a run writes for its users: metrics.jsonl (one JSON object per step) and eval/.
+Read on the login side (`status`, `plot`, the progress display) and in the job (trainer rank 0
+hands them to the experiment trackers: `rltools.tracking`).
 
 Invariant: a record is read only when complete: a line cut by a crash, or still being written, is
 skipped, never an error, so a reader works on a running, failed or finished run alike.
@@ -7,8 +9,8 @@ skipped, never an error, so a reader works on a running, failed or finished run 
 import json
 from pathlib import Path
 
-from ..config.schema import HELD_OUT
-from ..paths import RunPaths
+from .config.schema import HELD_OUT
+from .paths import RunPaths
 
 
 def read_metrics(paths: RunPaths) -> list[dict]:
