@@ -1,5 +1,5 @@
 """The demo job with both experiment trackers on: W&B offline and MLflow's file store get each step's
-scalars, the config, each step's kept completions (a table) and the evaluations (scalars and a table,
+scalars (a reward's named scores apart), the config, each step's kept completions (a table) and the evaluations (scalars and a table,
 the final one included); a resume that
 extends the run continues the same tracker runs with the later steps."""
 
@@ -22,7 +22,8 @@ def test_both_trackers_record_the_demo_and_a_resume_continues_their_runs(repo, t
     run_dir = tmp_path / "run"
     paths = RunPaths(run_dir)
     result = submit(repo, run_dir, "schedule.steps=3", "schedule.eval_every=2", "schedule.checkpoint_every=3",
-                    "eval.problems=16", "trackers.wandb.tags=[ci]", "trackers.mlflow={}")
+                    "eval.problems=16", "trackers.wandb.tags=[ci]", "trackers.mlflow={}",
+                    "reward.functions=[{function: tests.unit.reward_fns:format_and_correct, weight: {correct: 1}}]")
     assert result.returncode == 0, result.stderr[-3000:]
     ids = json.loads(paths.trackers.read_text())
     assert ids["wandb"]["evals"] == ids["mlflow"]["evals"] == [0, 2, 3]  # the final one waited for
@@ -38,6 +39,8 @@ def test_both_trackers_record_the_demo_and_a_resume_continues_their_runs(repo, t
     rows = [wandb_records.history(first), wandb_records.history(second)]
     steps = [[row["step"] for row in start if "train/loss" in row] for start in rows]
     assert steps == [[1, 2, 3], [4, 5]]
+    named = [row for row in rows[0] if "train/reward/correct" in row]  # the reward's named scores, apart
+    assert [row["step"] for row in named] == [1, 2, 3] and all("train/reward/format" in row for row in named)
     evals = [row for row in rows[0] if "eval/held_out/avg_at_k" in row]
     assert [row["step"] for row in evals] == [0, 2, 3]
     (table,) = [row for row in rows[0] if row["step"] == 3 and "eval/held_out/problems/path" in row]
@@ -56,6 +59,7 @@ def test_both_trackers_record_the_demo_and_a_resume_continues_their_runs(repo, t
     run = client.get_run(ids["mlflow"]["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["schedule.eval_every"] == "2"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/reward_mean")] == [1, 2, 3, 4, 5]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/reward/format")] == [1, 2, 3, 4, 5]
     evaluated = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/held_out/avg_at_k")}
     recorded = {step: json.loads(paths.eval_result(step).read_text())["sets"]["held_out"]["avg_at_k"]
                 for step in evaluated}
