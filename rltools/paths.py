@@ -14,6 +14,8 @@ ROLES = ("generator", "trainer")
 _SHARD_NAME = re.compile(r"gen_(\d+)\.h5")
 CHECKPOINT_MARKER = "COMPLETE"
 """Written last into a checkpoint directory: without it the directory is debris of a crashed save."""
+CHECKPOINT_PROBE = "probe.json"
+"""The trainer's probe of the checkpoint's policy version, kept in the checkpoint (`runtime.probe`)."""
 _STEP_NAME = re.compile(r"step_(\d+)")
 _ATTEMPT_NAME = re.compile(r"attempt_(\d+)")
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
@@ -164,6 +166,15 @@ class RunPaths:
     def policy_steps(self) -> dict[int, Path]:
         """Existing policy exports by step (temporaries excluded; completeness is checked by the reader)."""
         return self._steps_in(self.weights)
+
+    @property
+    def exports(self) -> Path:
+        """Where `rltools export` writes by default (rltools.export)."""
+        return self.root / "exports"
+
+    def export_dir(self, name: str) -> Path:
+        """The default directory of one export of `rltools export`, e.g. exports/step_40-merged."""
+        return self.exports / name
 
     @property
     def eval_dir(self) -> Path:

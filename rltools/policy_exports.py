@@ -7,8 +7,10 @@ Invariants:
   tokenizer files); weight_sync lora -> a PEFT adapter over the base model.
 - An export counts only with its marker (EXPORT_MARKER, written last, inside a temporary directory
   that is then renamed): a trainer killed mid-write leaves nothing a reader takes for a policy.
-- `resolve_checkpoint` is the only reader of the layout; checkpoints with optimizer state (issue 6)
-  re-point it here without touching the evaluator.
+- `resolve_checkpoint` is the one place that turns a name (base, latest, step_N) into a policy, for
+  `rltools eval` and `rltools export` alike: a policy export of that step, the trainer checkpoint of
+  that step (checkpoints/step_N, valid with its marker), or both; latest is the newest step either
+  holds, found by scanning.
 """
 
 import json
@@ -31,8 +33,12 @@ class Policy:
     step: int
     """Optimizer steps behind it (0 = the base model)."""
     kind: str
-    """base (the model at model.path), full (a complete HF model at `path`) or lora (an adapter at `path`)."""
+    """base (the model at model.path), full / lora / adapted (a policy export at `path`, in that weight
+    format), or checkpoint (no export: only the trainer checkpoint at `checkpoint` holds it)."""
     path: Path | None
+    """The policy export (weights/step_N), if there is one."""
+    checkpoint: Path | None = None
+    """The trainer checkpoint of the same step (checkpoints/step_N, with its marker), if there is one."""
 
 
 class PolicyWriter:
@@ -88,22 +94,38 @@ def drop_after(paths: RunPaths, steps_done: int) -> None:
             shutil.rmtree(directory)
 
 
-def resolve_checkpoint(paths: RunPaths, name: str) -> Policy:
-    """The policy `name` (base, latest, step_N) of the run at `paths`; UserError naming what exists."""
+def resolve_checkpoint(paths: RunPaths, name: str, exports: bool = True) -> Policy:
+    """The policy `name` (base, latest, step_N) of the run at `paths`: its policy export and its trainer
+    checkpoint, where they exist; with `exports` False trainer checkpoints only (what `rltools export`
+    reads). UserError naming what exists."""
     if name == "base" or name == "step_0":
         return Policy(name, 0, "base", None)
-    exports = available(paths)
-    where = paths.weights
-    have = ", ".join(["base"] + [f"step_{s}" for s in exports]) + (f" (latest = step_{max(exports)})" if exports else "")
+    found = available(paths) if exports else {}
+    checkpoints = paths.valid_checkpoints()
+    steps = sorted(found.keys() | checkpoints.keys())
+    what = "policy export or trainer checkpoint" if exports else "trainer checkpoint"
+    have = _listing(found, checkpoints, exports)
     if name == "latest":
-        if not exports:
-            raise UserError(f"--checkpoint latest: no policy exported yet under {where}; available: {have}")
-        step = max(exports)
+        if not steps:
+            raise UserError(f"--checkpoint latest: no {what} yet in {paths.root} (the trainer writes a checkpoint every "
+                            f"schedule.checkpoint_every steps and at the end); available: {have}")
+        step = steps[-1]
     else:
         if not (name.startswith("step_") and name[5:].isdigit()):
             raise UserError(f"--checkpoint {name!r}: expected base, latest or step_N")
         step = int(name[5:])
-        if step not in exports:
-            raise UserError(f"--checkpoint {name}: no complete export at {where}/{name}; available: {have}")
-    meta = json.loads((exports[step] / EXPORT_MARKER).read_text())
-    return Policy(name, step, meta["kind"], exports[step])
+        if step not in steps:
+            raise UserError(f"--checkpoint {name}: no complete {what} of step {step} in {paths.root}; available: {have}")
+    path = found.get(step)
+    kind = json.loads((path / EXPORT_MARKER).read_text())["kind"] if path else "checkpoint"
+    return Policy(name, step, kind, path, checkpoints.get(step))
+
+
+def _listing(exports: dict[int, Path], checkpoints: dict[int, Path], with_exports: bool) -> str:
+    """What a run holds, as a UserError lists it: 'base; exports: step_2, step_4; checkpoints: step_4 (latest = step_4)'."""
+    def steps(found) -> str:
+        return ", ".join(f"step_{s}" for s in found) or "none"
+
+    parts = (["base", f"exports: {steps(exports)}"] if with_exports else []) + [f"checkpoints: {steps(checkpoints)}"]
+    latest = max(exports.keys() | checkpoints.keys(), default=None)
+    return "; ".join(parts) + (f" (latest = step_{latest})" if latest is not None else "")

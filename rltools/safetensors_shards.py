@@ -15,6 +15,19 @@ if TYPE_CHECKING:
     import torch
 
 INDEX = "model.safetensors.index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def copy_side_files(src: Path, dst: Path, with_config: bool = True) -> list[str]:
+    """Copy what a model directory holds besides its weights (tokenizer, chat template, generation
+    config; config.json unless `with_config` is False) from `src` into `dst`; returns the names copied."""
+    copied = []
+    for source in sorted(Path(src).iterdir()):
+        weights = source.name.endswith(WEIGHT_SUFFIXES) or source.name.endswith(".index.json")
+        if source.is_file() and not weights and (with_config or source.name != "config.json"):
+            shutil.copy2(source, Path(dst) / source.name)
+            copied.append(source.name)
+    return copied
 
 
 class ShardWriter:

@@ -29,7 +29,6 @@ from .fused_layers import with_fused_partners
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTED_WEIGHTS = "adapted_layers.safetensors"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 
 
@@ -247,10 +246,10 @@ class _ModelWriter(ExportWriter):
         self.shards.add(name, tensor)
 
     def close(self) -> None:
+        from .safetensors_shards import copy_side_files
+
         self.shards.close()
-        for source in Path(self.base_model).iterdir():
-            if source.is_file() and not source.name.endswith(_WEIGHT_SUFFIXES) and not source.name.endswith(".index.json"):
-                shutil.copy2(source, self.directory / source.name)
+        copy_side_files(Path(self.base_model), self.directory)
 
 
 class _InMemoryWriter(ExportWriter):

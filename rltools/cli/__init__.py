@@ -14,8 +14,8 @@ from ..errors import UserError
 from ..launch.plan import describe, plan
 from ..launch.run_dir import prepare_run_dir
 from ..launch.sbatch import render_sbatch
-from . import check_model, samples
-from .eval import cmd_eval
+from . import check_model, export, samples
+from .eval import add_where_arguments, cmd_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,15 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.add_argument("--verbose", action="store_true",
                           help="show vLLM's output (default: kept in a log file, printed only if the evaluation fails)")
-    where = evaluate.add_mutually_exclusive_group()
-    where.add_argument("--slurm", dest="where", action="store_const", const="slurm",
-                       help="run as a Slurm job on one generator's resources (default when cluster.launcher is slurm)")
-    where.add_argument("--local", dest="where", action="store_const", const="local",
-                       help="run here, in this process (default when cluster.launcher is local)")
+    add_where_arguments(evaluate)
     evaluate.set_defaults(func=cmd_eval)
 
     samples.add_parser(commands)
     check_model.add_parser(commands)
+    export.add_parser(commands)
 
     bench = commands.add_parser("bench", help="measure a data plane against its raw reference")
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")

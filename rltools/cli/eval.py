@@ -14,6 +14,15 @@ from ..config import load_config
 from ..errors import UserError
 
 
+def add_where_arguments(parser) -> None:
+    """--slurm / --local: where a command that runs vLLM runs (`rltools eval`, `rltools export`)."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--slurm", dest="where", action="store_const", const="slurm",
+                       help="run as a Slurm job on one generator's resources (default when cluster.launcher is slurm)")
+    where.add_argument("--local", dest="where", action="store_const", const="local",
+                       help="run here, in this process (default when cluster.launcher is local)")
+
+
 def cmd_eval(args) -> int:
     import json
 
@@ -66,19 +75,24 @@ def describe_set(s: dict) -> str:
 
 
 def _eval_on_slurm(config, paths, args) -> dict:
-    import submitit
-
     from ..jobs.eval import run_eval
-    from ..launch.slurm import submit_eval_job
+    from ..launch.slurm import submit_task
     from ..policy_exports import resolve_checkpoint
 
     resolve_checkpoint(paths, args.checkpoint)  # a wrong name fails here, not in the queue
-    job = submit_eval_job(config, paths, run_eval, args.checkpoint, args.k, args.problems)
+    job = submit_task(config, paths, "eval", run_eval, config, args.checkpoint, args.k, args.problems, paths)
     print(f"submitted eval job {job.job_id} (log: {job.paths.stdout}); waiting for it", file=sys.stderr)
+    return wait_for(job, "eval")
+
+
+def wait_for(job, what: str):
+    """The result of a one-task job (`launch.slurm.submit_task`); a UserError naming its log when it failed."""
+    import submitit
+
     try:
         return job.result()
     except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-        raise UserError(f"eval job {job.job_id} failed; its log {job.paths.stdout}:\n{err}") from None
+        raise UserError(f"{what} job {job.job_id} failed; its log {job.paths.stdout}:\n{err}") from None
 
 
 @contextlib.contextmanager

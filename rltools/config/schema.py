@@ -22,6 +22,9 @@ from .inputs import (  # noqa: F401  (re-exported)
 from .trackers import MlflowConfig, TrackersConfig, WandbConfig  # noqa: F401  (re-exported)
 from .types import EnvPath, RunName, Section
 
+VLLM_UNADAPTED = ("lm_head", "embed_tokens")
+"""Modules vLLM's LoRA support does not adapt (it adapts linear layers only)."""
+
 
 class RunConfig(Section):
     name: RunName
@@ -392,7 +395,7 @@ class RLConfig(Section):
             raise ValueError(f"generator.weight_sync: {self.generator.weight_sync} needs lora.enabled: true "
                              "(or use weight_sync: full)")
         if self.generator.weight_sync == "lora":
-            unsupported = sorted({"lm_head", "embed_tokens"} & set(self.lora.target_modules))
+            unsupported = sorted(set(VLLM_UNADAPTED) & set(self.lora.target_modules))
             if unsupported:
                 raise ValueError(
                     f"generator.weight_sync: lora cannot serve adapters on {unsupported} (vLLM adapts linear "

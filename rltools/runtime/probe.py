@@ -13,6 +13,7 @@ Invariant: both roles score exactly the token ids in the file (no second tokenis
 """
 
 import json
+from pathlib import Path
 
 from ..durable import atomic_write
 from ..paths import RunPaths
@@ -39,7 +40,12 @@ def read_probe(paths: RunPaths, version: int) -> tuple[list[int], list[float]] |
     `probe_logprobs` returns None)."""
     if not paths.probe_file(version).exists():
         return None
-    record = json.loads(paths.probe_file(version).read_text())
+    return read_probe_file(paths.probe_file(version))
+
+
+def read_probe_file(path: Path) -> tuple[list[int], list[float]]:
+    """The tokens and trainer log-probabilities of a probe file (probes/, or a checkpoint's copy)."""
+    record = json.loads(Path(path).read_text())
     return record["tokens"], record["logprobs"]
 
 

@@ -16,6 +16,9 @@ Invariants:
   optimizer state as DCP shards, so a different number of trainer ranks can load them; plus the
   step (= policy version = data cursor: step k's prompts are a function of the seed and k) and each
   rank's RNG states. The frozen base is never copied.
+- A checkpoint carries the trainer's probe of its policy (`probe.json`, `runtime.probe`: written
+  before that version was broadcast), so an export of it can be checked against the trainer long
+  after the run's own probes/ moved on. `read_saved` reads any of its weights alone (`rltools export`).
 """
 
 import json
@@ -39,11 +42,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..durable import naming, publish_dir
-from ..paths import CHECKPOINT_MARKER, RunPaths
+from ..paths import CHECKPOINT_MARKER, CHECKPOINT_PROBE, RunPaths
 from ..runtime import faults
 
 META = "meta.json"
 MANIFEST = "checksums.json"
+PROBE = CHECKPOINT_PROBE
 _FAILURES = (Exception, CheckpointException)  # DCP's own error derives from BaseException
 _CHUNK = 8 << 20
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
@@ -79,6 +83,7 @@ def save(paths: RunPaths, step: int, model, optimizer, *, rank: int, keep: int) 
         barrier()
         faults.point("trainer.checkpoint", step)
         if rank == 0:
+            _keep_probe(paths, step, tmp)
             _write_synced(tmp / META, json.dumps({"step": step, "policy_version": step, "time": time.time(),
                                                   "world_size": _world_size()}))
             _write_synced(tmp / MANIFEST, json.dumps(_checksums(tmp)))
@@ -93,6 +98,12 @@ def save(paths: RunPaths, step: int, model, optimizer, *, rank: int, keep: int) 
             shutil.rmtree(paths.checkpoint_dir(old))
     barrier()
     return final
+
+
+def _keep_probe(paths: RunPaths, step: int, directory: Path) -> None:
+    """The trainer's probe of policy version `step` into the checkpoint (none: a backend scored none)."""
+    if paths.probe_file(step).is_file():
+        _write_synced(directory / PROBE, paths.probe_file(step).read_text())
 
 
 def resume_point(paths: RunPaths) -> tuple[int, list[str]]:
@@ -209,16 +220,30 @@ def load(paths: RunPaths, step: int, model, optimizer, *, rank: int) -> dict:
     return json.loads((directory / META).read_text())
 
 
+def saved_weights(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every trainable weight a checkpoint holds, under the names the model
+    holds them by (a peft model's: `base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`),
+    from DCP's metadata alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): (tuple(entry.size), entry.properties.dtype)
+            for key, entry in metadata.items() if key.startswith("model.") and hasattr(entry, "size")}
+
+
+def read_saved(directory: Path, names, shapes: dict | None = None) -> dict[str, torch.Tensor]:
+    """The saved trainable weights `names` (as `saved_weights` names them), whole, in one process: DCP
+    reads their bytes and no others (a full fine-tune's weights can be read a few at a time)."""
+    shapes = shapes or saved_weights(directory)
+    state = {"model": {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}}
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    return state["model"]
+
+
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The saved trainable weights of a checkpoint as full tensors (for tests and tools; one process)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = directory.parent / f".{directory.name}.weights.pt"
-    try:
-        dcp_to_torch_save(directory, target)
-        return torch.load(target, weights_only=False)["model"]
-    finally:
-        target.unlink(missing_ok=True)
+    shapes = saved_weights(directory)
+    return read_saved(directory, list(shapes), shapes)
 
 
 def _rng_state() -> dict:

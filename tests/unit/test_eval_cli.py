@@ -13,9 +13,10 @@ def test_eval_names_the_checkpoints_that_exist(repo, tmp_path):
     assert rendered.returncode == 0, rendered.stderr
     result = run_light("eval", str(run_dir), "--checkpoint", "latest", cwd=tmp_path)
     assert result.returncode == 2
-    assert f"no policy exported yet under {run_dir}/weights; available: base" in result.stderr
+    assert f"no policy export or trainer checkpoint yet in {run_dir}" in result.stderr
+    assert "available: base; exports: none; checkpoints: none" in result.stderr
     result = run_light("eval", str(run_dir), "--checkpoint", "step_7", cwd=tmp_path)
-    assert result.returncode == 2 and "step_7: no complete export" in result.stderr
+    assert result.returncode == 2 and "step_7: no complete policy export or trainer checkpoint of step 7" in result.stderr
 
 
 def test_eval_refuses_overrides_of_a_run_directory_and_bad_k(repo, tmp_path):
@@ -29,7 +30,7 @@ def test_eval_refuses_overrides_of_a_run_directory_and_bad_k(repo, tmp_path):
 
 def test_eval_of_a_config_without_a_run_has_only_base(repo, tmp_path):
     result = run_light("eval", str(repo / "configs/demo.yaml"), "--set", f"run.dir={tmp_path}/none", cwd=tmp_path)
-    assert result.returncode == 2 and f"no policy exported yet under {tmp_path}/none/weights" in result.stderr
+    assert result.returncode == 2 and f"no policy export or trainer checkpoint yet in {tmp_path}/none" in result.stderr
 
 
 def test_vllms_output_is_kept_out_of_sight_and_shown_when_the_evaluation_fails(capfd):
