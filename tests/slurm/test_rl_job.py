@@ -36,7 +36,7 @@ def test_production_shape_hetjob_trains_across_nodes(slurm, repo, tmp_path):
     # each engine proved after every sync that it serves the trained policy
     gaps = [m["logprob_gap_engines"] for m in metrics]
     assert all(len(g) == 2 and max(g) < MAX_GAP for g in gaps), gaps
-    assert sorted(p.name for p in paths.eval_dir.iterdir()) == ["step_0.json", "step_2.json", "step_4.json"]
+    assert sorted(p.name for p in paths.eval_dir.glob("step_*.json")) == ["step_0.json", "step_2.json", "step_4.json"]
     assert sorted(p.name for p in paths.checkpoints.iterdir() if p.name.startswith("step_")) == ["step_2", "step_4"]
     assert sorted(p.name for p in paths.checkpoint_dir(steps).glob("rng_*")) == [f"rng_{r}.pkl" for r in range(4)]
     for i in range(2):  # both engines generated every step and loaded every version
