@@ -19,6 +19,12 @@ from .inputs import (  # noqa: F401  (re-exported)
     SourceConfig,
     path_kind,
 )
+from .rewards import (  # noqa: F401  (re-exported)
+    INTEGER_VERIFIERS,
+    CodeConfig,
+    RewardConfig,
+    RewardFunctionConfig,
+)
 from .trackers import MlflowConfig, TrackersConfig, WandbConfig  # noqa: F401  (re-exported)
 from .types import EnvPath, RunName, Section
 
@@ -71,111 +77,6 @@ class LoraConfig(Section):
         if self.init_from is not None and not self.enabled:
             raise ValueError("lora.init_from loads LoRA adapters: it needs lora.enabled: true")
         return self
-
-
-VERIFIERS = ("exact_integer", "boxed_integer", "answer_line", "math_verify", "code", "custom")
-INTEGER_VERIFIERS = ("exact_integer", "boxed_integer", "answer_line")
-Verifier = Literal["exact_integer", "boxed_integer", "answer_line", "math_verify", "code", "custom"]
-
-
-class RewardFunctionConfig(Section):
-    type: Verifier = "custom"
-    """A built-in verifier (as reward.type), or custom: the function below."""
-    function: str | None = None
-    """For type custom: 'module:function'. It is called with the completion and the reference answer, and by
-    keyword with what it declares of: prompt (the row's prompt, text or messages), and any column of the row
-    (data_source, tests, ...); batched: the plural lists completions, answers, prompts and one list per column.
-    It returns a float, or a dict of named floats (each logged; weighted by `weight`); it may be async."""
-    name: str | None = None
-    """The score's name in metrics.jsonl (reward/<name>) and the logs; default: the type, or the function's name.
-    A dict-returning function's scores are named by their keys."""
-    weight: float | dict[str, float] = 1.0
-    """The reward is the sum over functions of weight x score. For a function that returns a dict: a number
-    weighs every score in it alike; a mapping {score: weight} weighs those it names (a call that lacks one of
-    them fails) and only logs the others."""
-    batched: bool = False
-    """Custom functions: called once per batch of completions with lists (completions, answers, prompts, one
-    list per column), returning a list of floats or dicts; the batch is split across reward.workers, and
-    reward.timeout_s (or timeout_s) is the deadline of one such call."""
-    timeout_s: float | None = Field(None, gt=0)
-    """This function's deadline per call; null: reward.timeout_s."""
-
-    @model_validator(mode="after")
-    def _custom_needs_function(self):
-        if (self.type == "custom") != (self.function is not None):
-            raise ValueError("a reward function of type custom needs function: 'module:function', and only it")
-        if self.batched and self.type != "custom":
-            raise ValueError(f"batched is for custom functions; the built-in {self.type} scores one call at a time")
-        return self
-
-    @property
-    def label(self) -> str:
-        return self.name or (self.function.rpartition(":")[2] if self.function else self.type)
-
-
-class CodeConfig(Section):
-    tests_key: str = "tests"
-    """The row's column holding the unit tests: Python source of asserts (a string or a list of them, one test
-    each), or {inputs: [...], outputs: [...]} (stdin and expected stdout of each test); the completion's last
-    ```python block (else all of it) is the program under test."""
-    score: Literal["fraction", "all"] = "fraction"
-    """fraction: the share of tests passed; all: 1 only when every test passes."""
-    memory_mb: int = Field(1024, ge=64)
-    """Address space of the program under test (the sandbox's limit; docs/sandbox.md)."""
-    sandboxes: int = Field(4, ge=1)
-    """Warm sandboxes (and threads) that run programs at once."""
-
-
-class RewardConfig(Section):
-    type: Verifier = "exact_integer"
-    """Verifier: exact_integer (the completion is the answer), boxed_integer (last \\boxed{N}),
-    answer_line (DAPO-style 'Answer: N'), math_verify, code (unit tests of the row run on the completion's
-    code in the sandbox: reward.code), or custom (reward.function). reward.functions combines several."""
-    function: str | None = None
-    """For type custom: 'module:function', called as reward.functions[].function is. Runs your code."""
-    functions: list[RewardFunctionConfig] = []
-    """Several reward functions, each scored on every completion, combined as the sum of weight x score; each
-    score is logged on its own (metrics.jsonl reward/<name>). Replaces reward.type (left at its default) and
-    reward.function."""
-    code: CodeConfig = CodeConfig()
-    """The code verifier's settings (type code)."""
-    timeout_s: float = Field(5.0, gt=0)
-    """Hard limit on one reward call (math_verify, code and custom); a call that exceeds it scores 0
-    (math_verify, custom: its worker process is replaced; code: the program is killed)."""
-    workers: int | None = Field(None, ge=1)
-    """Worker processes for math_verify and each custom function; default: CPU cores - 1, at most 4."""
-    max_failure_fraction: float = Field(0.5, ge=0, le=1)
-    """The run stops with an error naming the reward and its first failure when more than this fraction of
-    the calls of a scoring batch (a step's, an evaluation's; smaller batches add up to at least 32 calls)
-    failed: timed out, raised, crashed its worker or returned no finite number (math_verify and custom),
-    judged for each function apart. Each failed call scores 0; metrics.jsonl counts them per step
-    (reward_failures, and reward_failures/<name> with several functions). 1: never stop."""
-
-    @model_validator(mode="after")
-    def _custom_needs_function(self):
-        if self.functions:
-            if self.type != "exact_integer" or self.function:  # the default: nothing to replace
-                raise ValueError(f"reward.functions replaces reward.type and reward.function: list that verifier "
-                                 f"among reward.functions (- type: {self.type}"
-                                 f"{f', function: {self.function}' if self.function else ''}) and drop them")
-            labels = [f.label for f in self.functions]
-            twice = sorted({label for label in labels if labels.count(label) > 1})
-            if twice:
-                raise ValueError(f"reward.functions: two functions are named {twice[0]}: give one a `name`")
-        elif self.type == "custom" and not self.function:
-            raise ValueError("reward.type custom needs reward.function: 'module:function'")
-        return self
-
-    @property
-    def kind(self) -> str:
-        """reward.type, or 'functions' for a combination: what an eval set without a verifier of its own uses."""
-        return "functions" if self.functions else self.type
-
-    @property
-    def integer_answers(self) -> bool:
-        """Whether reference answers are read as integers: an integer verifier is among the functions."""
-        return any(f.type in INTEGER_VERIFIERS for f in self.functions) if self.functions \
-            else self.type in INTEGER_VERIFIERS
 
 
 class AlgorithmConfig(Section):

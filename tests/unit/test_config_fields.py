@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from rltools.config.schema import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DECLARE_ONLY = {"rltools/config/schema.py", "rltools/config/cluster.py", "rltools/config/inputs.py",
+DECLARE_ONLY = {"rltools/config/schema.py", "rltools/config/cluster.py", "rltools/config/inputs.py", "rltools/config/rewards.py",
                 "rltools/config/trackers.py", "rltools/config/loader.py", "rltools/config/reference.py"}
 
 
