@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..launch.plan import describe, plan
 from ..launch.run_dir import prepare_run_dir
 from ..launch.sbatch import render_sbatch
-from . import check_model, export, samples
+from . import check_model, export, quantize, samples
 from .eval import add_where_arguments, cmd_eval
 
 
@@ -122,20 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="print one JSON object")
         sub.set_defaults(func=cmd_bench)
 
-    quant = commands.add_parser("quantize", help="convert a Hugging Face checkpoint to NVFP4 (compressed-tensors)")
-    quant.add_argument("model_dir", type=Path, help="Hugging Face model directory (safetensors, bf16/fp16/fp32)")
-    quant.add_argument("-o", "--output", type=Path, required=True, help="new output directory")
-    quant.add_argument("--format", choices=["nvfp4", "nvfp4-experts-fp8"], default="nvfp4",
-                       help="nvfp4: every eligible linear NVFP4 (default); nvfp4-experts-fp8: a MoE's routed experts "
-                       "NVFP4, its other linears FP8, as the public NVFP4 MoE checkpoints are laid out")
-    quant.add_argument(
-        "--ignore", action="append", default=[], metavar="PATTERN",
-        help="keep matching linear layers in high precision: a module name or re:REGEX (repeatable); "
-        "embeddings, lm_head, norms and routers are always kept",
-    )
-    quant.add_argument("--shard-gb", type=float, default=1.0, help="output shard size in GB (default 1)")
-    quant.add_argument("--quiet", action="store_true", help="no progress bar")
-    quant.set_defaults(func=cmd_quantize)
+    quantize.add_parser(commands)
     return parser
 
 
@@ -391,24 +378,6 @@ def cmd_bench(args) -> int:
             f"ratio {result['ratio']}"
         )
     print(json.dumps(result) if args.json else summary)
-    return 0
-
-
-def cmd_quantize(args) -> int:
-    if not (args.model_dir / "config.json").exists():
-        raise UserError(f"{args.model_dir}: not a Hugging Face model directory (no config.json)")
-    from ..quant.nvfp4_checkpoint import quantize_checkpoint
-
-    try:
-        summary = quantize_checkpoint(
-            args.model_dir, args.output, ignore=args.ignore, shard_bytes=int(args.shard_gb * 1e9), progress=not args.quiet,
-            fp8_outside_experts=args.format == "nvfp4-experts-fp8",
-        )
-    except ValueError as err:
-        raise UserError(str(err)) from err
-    for line in summary.lines():
-        print(line)
-    print(f"wrote {args.output}")
     return 0
 
 
