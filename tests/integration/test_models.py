@@ -18,10 +18,17 @@ from rltools.models import ARCHITECTURES, MATRIX_NVFP4, TESTED
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
 
 
-def build(arch: str, directory: Path) -> ModelConfig:
+def tiny_script():
+    """scripts/make_tiny_model.py as a module: its builders of each architecture's tiny model."""
     spec = importlib.util.spec_from_file_location("make_tiny_model", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def build(arch: str, directory: Path) -> ModelConfig:
+    """An untrained tiny model of `arch`, saved with the tiny tokenizer in `directory`."""
+    script = tiny_script()
     tokenizer = script.build_tokenizer()
     script.save(script.build_model(tokenizer, seed=0, arch=arch), tokenizer, directory)
     return ModelConfig(path=str(directory), dtype="float32")

@@ -6,7 +6,6 @@ after a full weight sync, FSDP2 on two ranks.
 The checkpoints are untrained, made in a second by the project script (no trained MoE ships yet).
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -20,9 +19,9 @@ from rltools.config.schema import GeneratorConfig, LoraConfig, ModelConfig
 from rltools.train.model import export_weights, load_policy
 
 from .adam_bound import assert_runs_agree
+from .test_models import tiny_script
 from .test_trainer import logprob_gap, train_one_and_two_ranks
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
 TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
 PROMPTS = ["What is 12+7?=", "What is 3*4+5?=", "What is 90-45?=", "What is 8*9?="]
@@ -32,9 +31,7 @@ def make_moe(directory: Path, init_std: float | None = None, dense_layers: int =
              arch: str = "deepseek_v3") -> ModelConfig:
     """An untrained tiny MoE checkpoint, as the project script makes it (`init_std`: sharper weights;
     `dense_layers` 3: no MoE layer, MLA alone; `arch` qwen3_moe: a Qwen3-MoE)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tiny_script()
     tokenizer = script.build_tokenizer()
     model = script.build_model(tokenizer, seed=0, arch=arch, dense_layers=dense_layers)
     if init_std is not None:
