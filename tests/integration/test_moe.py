@@ -6,6 +6,7 @@ after a full weight sync, FSDP2 on two ranks.
 The checkpoints are untrained, made in a second by the project script (no trained MoE ships yet).
 """
 
+import gc
 import json
 import os
 import re
@@ -134,6 +135,12 @@ def test_vllm_serves_the_trainers_moe_policy_after_a_full_weight_sync(moe, arch,
     if arch == "qwen3_moe":
         with pytest.raises(Exception, match="must match the size"):
             load(weights, repack=True)
+        # the failed reload leaves the engine's layers on the meta device: end it. Left running, the next
+        # engine of this process failed its first forward on a meta tensor (test_models run after this test);
+        # why vLLM's state crosses engines is not traced
+        engine.llm.llm_engine.engine_core.shutdown()
+        del engine
+        gc.collect()
         return
     load(weights, repack=False)
     unpacked = logprob_gap(policy, sampled(engine))
