@@ -10,7 +10,8 @@ import re
 import secrets
 from pathlib import Path
 
-ROLES = ("generator", "trainer")
+ROLES = ("generator", "trainer", "judge")
+"""Roles of a job's tasks; a judge only where a reward function is one (reward.judge)."""
 _SHARD_NAME = re.compile(r"gen_(\d+)\.h5")
 CHECKPOINT_MARKER = "COMPLETE"
 """Written last into a checkpoint directory: without it the directory is debris of a crashed save."""
@@ -259,6 +260,10 @@ class RunPaths:
     def trainer_address(self) -> Path:
         """Where trainer rank 0 publishes the trainers' own process-group store."""
         return self.root / "trainer_group.json"
+
+    def judge_address(self, engine: int) -> Path:
+        """Where judge engine `engine` publishes the host:port it answers scoring requests on (reward.judge)."""
+        return self.root / "judges" / f"judge_{engine}.json"
 
     @property
     def selfcheck_address(self) -> Path:

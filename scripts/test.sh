@@ -26,7 +26,7 @@ fi
 
 # Most of the tests that launch whole demo jobs (the rest balances the three: ~equal minutes each).
 launches=(tests/faults tests/integration/test_eval.py tests/integration/test_megatron_run.py tests/integration/test_tool_demo.py
-          tests/integration/test_trackers.py)
+          tests/integration/test_trackers.py tests/integration/test_judge.py)
 ignore=()
 for path in "${launches[@]}"; do ignore+=("--ignore=$path"); done
 work=$(mktemp -d "${TMPDIR:-/tmp}/rltools-tests.XXXXXX")

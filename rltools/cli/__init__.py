@@ -14,6 +14,7 @@ from ..errors import UserError
 from ..launch.plan import describe, plan
 from ..launch.run_dir import prepare_run_dir
 from ..launch.sbatch import render_sbatch
+from ..paths import ROLES
 from . import check_model, export, quantize, samples
 from .eval import add_where_arguments, cmd_eval
 
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs = commands.add_parser("logs", help="print (or follow) a run's task logs from its latest attempt")
     logs.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
-    logs.add_argument("--role", choices=["generator", "trainer"], help="one role's tasks only")
+    logs.add_argument("--role", choices=list(ROLES), help="one role's tasks only")
     logs.add_argument("--rank", type=int, help="one task of the role (with --role)")
     logs.add_argument("--attempt", type=int, help="an earlier attempt (0 = first start; default: the latest)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")

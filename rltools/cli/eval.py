@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 from ..config import load_config
+from ..config.schema import HELD_OUT
 from ..errors import UserError
 
 
@@ -39,6 +40,12 @@ def cmd_eval(args) -> int:
     for flag, value in (("--k", args.k), ("--problems", args.problems)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
+    judged = [name for name, spec in (config.eval.sets or {HELD_OUT: None}).items() if not (spec and spec.reward)]
+    if config.reward.uses_judge and judged:
+        raise UserError(f"eval set(s) {', '.join(judged)} are scored with the run's reward, which has a judge (reward.judge): "
+                        "its engines serve inside the run's job only, and `rltools eval` starts none. The run's own "
+                        "evaluations (eval/step_N.json) are scored by it; here, give each set a verifier of its own "
+                        "(eval.sets.NAME.reward) in a config file")
     if (args.where or config.cluster.launcher) == "slurm":
         result = _eval_on_slurm(config, paths, args)
     else:

@@ -93,6 +93,9 @@ class ClusterConfig(Section):
     """Hetjob component 0: the vLLM generation engines."""
     trainers: ComponentConfig = ComponentConfig()
     """Hetjob component 1: the trainer ranks."""
+    judges: ComponentConfig = ComponentConfig()
+    """Hetjob component 2, only with a reward function of type judge: the judge model's vLLM engines
+    (reward.judge), one per task; the generators send each scoring batch to them."""
     setup: list[ShellLine] = []
     """Shell lines run in the batch script before the job steps (module load, conda activate).
     They are your own shell code, run verbatim."""

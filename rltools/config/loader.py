@@ -72,9 +72,8 @@ def validate(raw: dict, source: str) -> RLConfig:
 
 def resolve(config: RLConfig, config_dir: Path) -> RLConfig:
     """Fill what depends on where rltools runs: absolute paths (job steps may start elsewhere) and
-    the interpreter. Relative model, data, eval set, chat template and lora.init_from paths are
-relative to the config file, so a config
-    works from any directory; run.dir is relative to the current directory, like sbatch's output.
+    the interpreter. Relative model, judge model, data, eval set, chat template and lora.init_from
+    paths are relative to the config file, so a config works from any directory; run.dir is relative to the current directory, like sbatch's output.
     Resolving a resolved config changes nothing."""
     run_dir = _absolute(config.run.dir or str(Path("runs") / config.run.name))
     python = config.cluster.python or sys.executable
@@ -91,6 +90,9 @@ relative to the config file, so a config
             "lora": config.lora.model_copy(update={"init_from": _absolute(config.lora.init_from, config_dir)})
             if config.lora.init_from else config.lora,
             "cluster": config.cluster.model_copy(update={"python": python}),
+            "reward": config.reward.model_copy(update={"judge": config.reward.judge.model_copy(
+                update={"model": _absolute(config.reward.judge.model, config_dir)})})
+            if config.reward.judge.model else config.reward,
         }
     )
 

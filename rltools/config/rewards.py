@@ -1,14 +1,20 @@
 """The reward section of the run configuration (re-exported by schema): the verifiers and users'
-functions (`reward.functions`), the code verifier's settings. Declarations only, as in schema.py."""
+functions (`reward.functions`), the code verifier's and the judge's settings. Declarations only, as in
+schema.py."""
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .types import Section
+from .types import EnvPath, Section
 
 INTEGER_VERIFIERS = ("exact_integer", "boxed_integer", "answer_line")
-Verifier = Literal["exact_integer", "boxed_integer", "answer_line", "math_verify", "code", "custom"]
+Verifier = Literal["exact_integer", "boxed_integer", "answer_line", "math_verify", "code", "judge", "custom"]
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the response to the problem below against the reference answer.\n\n"
+    "Problem:\n{{ prompt }}\n\nReference answer: {{ answer }}\n\nResponse:\n{{ completion }}\n\n"
+    "Reply with one line 'SCORE: N', N from 0 (wrong) to 10 (correct and well argued).")
 
 
 class RewardFunctionConfig(Section):
@@ -59,11 +65,64 @@ class CodeConfig(Section):
     """Warm sandboxes (and threads) that run programs at once."""
 
 
+class JudgeConfig(Section):
+    model: EnvPath | None = None
+    """The judge model's directory (Hugging Face format), served by vLLM on the judge component's engines
+    (cluster.judges); needed by a reward function of type judge. Relative paths are relative to the config file."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The judge's dtype in vLLM; auto: its config.json's."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs per judge engine (tensor parallel inside a node): cluster.judges.gpus_per_node is ntasks_per_node x this."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    """vLLM's KV cache per judge engine, in bytes; needed on CPU (vLLM takes ~90% of RAM otherwise)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of each judge GPU vLLM may use."""
+    max_model_len: int | None = Field(None, ge=1)
+    """The judge's context length in vLLM; null: its config's."""
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's prompt: a Jinja template of prompt (the row's prompt as text), messages (the row's messages,
+    when it has them), completion, answer, and every column of the row (tests, data_source, ...)."""
+    chat: bool = True
+    """Send the rendered template as one user message through the judge's chat template (false: as plain text)."""
+    score_pattern: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+    """A regular expression whose first group is the score in the judge's reply (its last match counts); a reply
+    without a match is a failed call (scores 0, counted as one that returned no number)."""
+    score_max: float = Field(10.0, gt=0)
+    """The highest score the judge gives: its reply's number is divided by it (a number outside 0..score_max
+    is a failed call)."""
+    max_tokens: int = Field(512, ge=1)
+    """Tokens the judge may write per reply."""
+    temperature: float = Field(0.0, ge=0)
+    """The judge's sampling temperature (0: greedy, reproducible)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one scoring batch (a step's completions of one engine, an evaluation's): calls without a
+    reply by then score 0 and count as timed out."""
+    start_timeout_s: float = Field(1800.0, gt=0)
+    """How long the generators wait for the first judge engine to start (it loads its model) before failing."""
+
+    @model_validator(mode="after")
+    def _template_and_pattern(self):
+        try:
+            pattern = re.compile(self.score_pattern)
+        except re.error as err:
+            raise ValueError(f"reward.judge.score_pattern is not a regular expression: {err}") from None
+        if pattern.groups < 1:
+            raise ValueError("reward.judge.score_pattern needs a group around the score, e.g. 'SCORE: (\\d+)'")
+        import jinja2  # light: the login side renders the job script with it
+
+        try:
+            jinja2.Environment().parse(self.template)
+        except jinja2.TemplateSyntaxError as err:
+            raise ValueError(f"reward.judge.template, line {err.lineno}: {err.message}") from None
+        return self
+
+
 class RewardConfig(Section):
     type: Verifier = "exact_integer"
     """Verifier: exact_integer (the completion is the answer), boxed_integer (last \\boxed{N}),
     answer_line (DAPO-style 'Answer: N'), math_verify, code (unit tests of the row run on the completion's
-    code in the sandbox: reward.code), or custom (reward.function). reward.functions combines several."""
+    code in the sandbox: reward.code), judge (a model grades it: reward.judge), or custom (reward.function).
+    reward.functions combines several."""
     function: str | None = None
     """For type custom: 'module:function', called as reward.functions[].function is. Runs your code."""
     functions: list[RewardFunctionConfig] = []
@@ -72,6 +131,9 @@ class RewardConfig(Section):
     reward.function."""
     code: CodeConfig = CodeConfig()
     """The code verifier's settings (type code)."""
+    judge: JudgeConfig = JudgeConfig()
+    """The judge's settings (type judge): its model, served on the judge component (cluster.judges), its prompt
+    template, how a score is read from its reply, its deadline. Guide: docs/rewards-and-evaluation.md."""
     timeout_s: float = Field(5.0, gt=0)
     """Hard limit on one reward call (math_verify, code and custom); a call that exceeds it scores 0
     (math_verify, custom: its worker process is replaced; code: the program is killed)."""
@@ -97,7 +159,18 @@ class RewardConfig(Section):
                 raise ValueError(f"reward.functions: two functions are named {twice[0]}: give one a `name`")
         elif self.type == "custom" and not self.function:
             raise ValueError("reward.type custom needs reward.function: 'module:function'")
+        if self.uses_judge and not self.judge.model:
+            raise ValueError("a reward function of type judge needs reward.judge.model: the judge model's directory")
+        if not self.uses_judge and self.judge != JudgeConfig():
+            keys = [f"reward.judge.{name}" for name, value in self.judge if value != JudgeConfig.model_fields[name].default]
+            raise ValueError(f"{', '.join(keys)} set, but no reward function is of type judge: add one (reward.type: "
+                             "judge, or - type: judge among reward.functions) or drop reward.judge")
         return self
+
+    @property
+    def uses_judge(self) -> bool:
+        """Whether a function of the reward is the judge (the job then has a judge component)."""
+        return any(f.type == "judge" for f in self.functions) if self.functions else self.type == "judge"
 
     @property
     def kind(self) -> str:

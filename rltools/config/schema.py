@@ -22,6 +22,7 @@ from .inputs import (  # noqa: F401  (re-exported)
 from .rewards import (  # noqa: F401  (re-exported)
     INTEGER_VERIFIERS,
     CodeConfig,
+    JudgeConfig,
     RewardConfig,
     RewardFunctionConfig,
 )
@@ -361,6 +362,13 @@ class RLConfig(Section):
             if self.data.type in ("arithmetic", "products"):
                 raise ValueError(f"eval.sets.{name}.reward {spec.reward}: the generated arithmetic is scored by "
                                  "exact_integer; give the set a path of its own")
+        return self
+
+    @model_validator(mode="after")
+    def _judges_need_a_judge(self):
+        if not self.reward.uses_judge and self.cluster.judges != ComponentConfig():
+            raise ValueError("cluster.judges is set, but no reward function is of type judge (reward.judge): "
+                             "drop cluster.judges, or add the judge")
         return self
 
     @model_validator(mode="after")

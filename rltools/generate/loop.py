@@ -41,6 +41,7 @@ from ..runtime.roles import (
 )
 from ..weight_formats import weight_format
 from .evaluation import evaluate, record_eval
+from .judge import judge_client
 from .supervisor import ENGINE, JOINED
 from .vllm_engine import GroupBroken, GroupDropped, VLLMEngine, request_seed
 
@@ -54,6 +55,8 @@ def run_generator(run_dir: str) -> None:
     generator_signals(config.cluster.preempt_signal)
     task = make_task(config.data, config.reward, config.run.seed, config.model.path, load_tokenizer(config.model.path))
     sets = eval_sets(config.eval, config.data, config.reward, config.generator, task)
+    if config.reward.uses_judge:  # eval sets scored by the run's reward share task.reward
+        task.reward.connect_judge(judge_client(paths, config, run_attempt(env, paths)))
     try:
         generate(env, paths, config, task, sets)
     finally:
@@ -64,11 +67,7 @@ def run_generator(run_dir: str) -> None:
 def generate(env: RoleEnv, paths: RunPaths, config, task, sets: EvalSets) -> None:
     engine = VLLMEngine(config.model, config.generator, config.run.seed, weight_format(config),
                         routing_replay=config.algorithm.routing_replay)
-    attempt = env.attempt
-    if env.joined:  # a job of its own (`rltools join`): it joins the start of the run that is running
-        attempt = published_attempt(paths.sync_address)
-        if attempt is None:
-            raise UserError(f"{paths.root} has no running trainer to join (no {paths.sync_address})")
+    attempt = run_attempt(env, paths)
     engine.join_weight_sync(paths, sync_rank_base(config, env.rank), sync_workers(config), attempt, sync_backend())
     heartbeat = Heartbeat(paths, attempt, env.rank, config.generator.sync_timeout_s,  # trainer rank 0 sees it live
                           where={"node": env.node, "job": env.job_id})
@@ -120,6 +119,17 @@ def generate(env: RoleEnv, paths: RunPaths, config, task, sets: EvalSets) -> Non
         if weights.version >= schedule.steps:
             break
         weights.receive()  # the trainer's last broadcasts: the final weights
+
+
+def run_attempt(env: RoleEnv, paths: RunPaths) -> str:
+    """The start of the run this engine serves: its own job's, or for a join job's engine (`rltools
+    join`) the start of the run that is running."""
+    if not env.joined:
+        return env.attempt
+    attempt = published_attempt(paths.sync_address)
+    if attempt is None:
+        raise UserError(f"{paths.root} has no running trainer to join (no {paths.sync_address})")
+    return attempt
 
 
 def work(record: FleetRecord, engine: int, since: int, step: int, paths: RunPaths) -> list[tuple[int, int]]:

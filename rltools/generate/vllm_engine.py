@@ -3,7 +3,8 @@
 `VLLMEngine` offers a small typed interface over plain data: start, submit a request, step, abort,
 serve an adapter, reload weights, probe logprobs; `generate.episodes` and `weight_formats` use it and
 nothing else. What crosses `collective_rpc` is plain data (vLLM's engine-core process, its default,
-sends it as msgpack).
+sends it as msgpack). `JudgeEngine` serves the judge model (reward.judge) through vLLM's public
+`LLM.chat` / `LLM.generate`; both start vLLM through `start_llm`.
 
 Private vLLM code this module and `worker_ext` call, each checked against vLLM 0.32.0 (`TESTED_VLLM`;
 another version is refused unless RLTOOLS_ALLOW_UNTESTED_VLLM=1):
@@ -46,7 +47,7 @@ import os
 import time
 from pathlib import Path
 
-from ..config.schema import GeneratorConfig, ModelConfig
+from ..config.schema import GeneratorConfig, JudgeConfig, ModelConfig
 from ..errors import UserError
 from ..paths import RunPaths
 from ..versions import VLLM, check_tested
@@ -170,12 +171,50 @@ def _routing_replay(config: dict) -> tuple[dict, list[int]]:
     return {"enable_return_routed_experts": True}, list(range(config.get("first_k_dense_replace", 0), layers))
 
 
+def start_llm(path: str, model_config: dict, tensor_parallel_size: int, **kwargs):
+    """vLLM's LLM on the checkpoint at `path` (its config.json: `model_config`) with the options this host
+    needs (above); vLLM's processes end with this one."""
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    for options in (_cpu_mla_rotary, _cpu_mla_backend, _cpu_whole_prefills, _routing_as_transformers):
+        kwargs.update(options(model_config))
+    _bind_cpu_workers(tensor_parallel_size)
+    llm = vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
+                   worker_extension_cls="rltools.generate.worker_ext.WeightSyncExtension", **kwargs)
+    llm.collective_rpc("rltools_die_with", args=(os.getpid(),))  # vLLM's processes end with this one
+    return llm
+
+
+class JudgeEngine:
+    """The judge's engine (reward.judge): one reply per prompt, at the judge's temperature, through its
+    chat template unless reward.judge.chat is false; its weights never change."""
+
+    def __init__(self, judge: JudgeConfig, seed: int):
+        from vllm import SamplingParams
+
+        options = {"kv_cache_memory_bytes": judge.kv_cache_memory_bytes, "max_model_len": judge.max_model_len}
+        self.llm = start_llm(judge.model, json.loads((Path(judge.model) / "config.json").read_text()),
+                             judge.tensor_parallel_size, dtype=judge.dtype, seed=seed,
+                             gpu_memory_utilization=judge.gpu_memory_utilization,
+                             **{key: value for key, value in options.items() if value is not None})
+        self.chat = judge.chat
+        if self.chat and not getattr(self.llm.get_tokenizer(), "chat_template", None):
+            raise UserError(f"reward.judge.chat: the judge model {judge.model} has no chat template; set "
+                            "reward.judge.chat: false to send it the rendered reward.judge.template as plain text")
+        self.params = SamplingParams(temperature=judge.temperature, max_tokens=judge.max_tokens, seed=seed)
+
+    def complete(self, prompts: list[str]) -> list[str]:
+        if self.chat:
+            outputs = self.llm.chat([[{"role": "user", "content": p}] for p in prompts], self.params, use_tqdm=False)
+        else:
+            outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        return [output.outputs[0].text for output in outputs]
+
+
 class VLLMEngine:
     def __init__(self, model: ModelConfig, generator: GeneratorConfig, seed: int, fmt: WeightFormat,
                  routing_replay: bool = False):
-        import vllm
-
-        check_vllm_version(vllm.__version__)
         self.config = generator
         self.format = fmt  # how weight updates arrive and are served (generator.weight_sync)
         self.adapter: Path | None = None  # the adapter served; None: the base model (LoRA B starts at zero)
@@ -186,27 +225,14 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = generator.kv_cache_memory_bytes
         kwargs.update(fmt.engine_args())
         model_config = json.loads((Path(model.path) / "config.json").read_text())
-        for options in (_cpu_mla_rotary, _cpu_mla_backend, _cpu_whole_prefills, _routing_as_transformers):
-            kwargs.update(options(model_config))
         self.moe_layers = None  # with routing replay: the MoE layers whose routes the rollouts carry
         if routing_replay:
             replay, self.moe_layers = _routing_replay(model_config)
             kwargs.update(replay)
-        _bind_cpu_workers(generator.tensor_parallel_size)
         with self._checkpoint(model) as path:
-            self.llm = vllm.LLM(
-                model=path,
-                tokenizer=model.path,
-                dtype=model.dtype,
-                seed=seed,
-                tensor_parallel_size=generator.tensor_parallel_size,
-                gpu_memory_utilization=generator.gpu_memory_utilization,
-                enforce_eager=generator.enforce_eager,
-                logprobs_mode="processed_logprobs",
-                worker_extension_cls="rltools.generate.worker_ext.WeightSyncExtension",
-                **kwargs,
-            )
-        self.llm.collective_rpc("rltools_die_with", args=(os.getpid(),))  # vLLM's processes end with this one
+            self.llm = start_llm(path, model_config, generator.tensor_parallel_size, tokenizer=model.path,
+                                 dtype=model.dtype, seed=seed, gpu_memory_utilization=generator.gpu_memory_utilization,
+                                 enforce_eager=generator.enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 
     def _checkpoint(self, model: ModelConfig):

@@ -40,6 +40,8 @@ def run_role(role: str, argv: list[str]) -> int:
     try:
         if role == "generator":
             from rltools.generate.loop import run_generator as loop
+        elif role == "judge":
+            from rltools.generate.judge import run_judge as loop
         else:
             from rltools.train.loop import run_trainer as loop
         return loop(argv[0]) or 0  # the trainer returns 3 when it stopped at a checkpoint on a signal
@@ -54,17 +56,19 @@ def run_role(role: str, argv: list[str]) -> int:
 
 
 def check_model_first(role: str, run_dir: str) -> bool:
-    """`submit`'s checks of model.path, again, before the role imports torch or loads anything: under
+    """`submit`'s checks of model.path (a judge's: reward.judge.model), again, before the role imports
+    torch or loads anything: under
     Slurm `submit` skips them when the login node does not see model.path (node-local scratch, a
     filesystem of the compute nodes), and a bad model would otherwise fail minutes later, deep inside
     the loading or out of memory. Prints the same message as `submit` would; False when it failed."""
     from rltools.config import load_config
     from rltools.errors import UserError
-    from rltools.launch.preflight import check_model
+    from rltools.launch.preflight import check_judge, check_model
     from rltools.paths import RunPaths
 
     try:
-        check_model(load_config(RunPaths(run_dir).config))
+        config = load_config(RunPaths(run_dir).config)
+        check_judge(config) if role == "judge" else check_model(config)
     except UserError as err:
         print(f"error: {role}: {err}", file=sys.stderr, flush=True)
         return False

@@ -85,19 +85,23 @@ def _terminate(signum, frame) -> None:
 
 def _supervise(children: list[dict], paths: RunPaths, progress: Display) -> int:
     """Until the trainer ends. A generator that fails while another one runs is the trainer's to
-    handle (it goes on with the other engines: `train.fleet`); the last one failing stops the run."""
+    handle (it goes on with the other engines: `train.fleet`); the last one failing stops the run.
+    A judge engine that fails is the generators' to handle (they send its share to the other judge
+    engines; with none left they fail, and so the run); the judges serve until the run ends."""
     trainers = [c for c in children if c["role"] == "trainer"]
     generators = [c for c in children if c["role"] == "generator"]
     lost: set[str] = set()
     while True:
         progress.update()
         running = [g for g in generators if g["proc"].poll() is None]
-        for child in generators:
-            if child["proc"].poll() not in (None, 0) and child["name"] not in lost:
+        for child in children:
+            if child["role"] != "trainer" and child["proc"].poll() not in (None, 0) and child["name"] not in lost:
                 lost.add(child["name"])
-                if running:
+                peers = [c for c in children if c["role"] == child["role"] and c["proc"].poll() is None]
+                if peers:
                     _say(f"\n{child['name']} failed (exit {child['proc'].returncode}); the run goes on with the "
-                         f"other engines. The end of its log {child['log']}:")
+                         f"other {'engines' if child['role'] == 'generator' else 'judge engines'}. The end of its "
+                         f"log {child['log']}:")
                     _say(_tail(child["log"], lines=8))
         ended = [t for t in trainers if t["proc"].poll() not in (None, 0)]
         if not ended and not running and any(t["proc"].poll() is None for t in trainers):

@@ -1,7 +1,8 @@
 """The job's topology: which hetjob component runs which role, on how many tasks.
 
 Invariant: component 0 is always the generators and component 1 the trainers, for the Slurm and
-the local launcher alike; RoleEnv relies on these indices to find trainer rank 0.
+the local launcher alike; RoleEnv relies on these indices to find trainer rank 0. A judge (a reward
+function of type judge) is component 2.
 """
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from ..config.schema import ComponentConfig, RLConfig
 from ..config.support import megatron_unsupported
 from ..errors import UserError
-from ..runtime.role_env import GENERATOR_GROUP, TRAINER_GROUP
+from ..runtime.role_env import GENERATOR_GROUP, JUDGE_GROUP, TRAINER_GROUP
 from .memory import memory_lines
 
 
@@ -18,24 +19,28 @@ class Component:
     index: int
     """Hetjob component index (`srun --het-group=<index>`)."""
     name: str
-    """Config key under `cluster:` (generators / trainers)."""
+    """Config key under `cluster:` (generators / trainers / judges)."""
     role: str
-    """Role of each task: generator or trainer."""
+    """Role of each task: generator, trainer or judge."""
     entry: str
     """Python module each task runs (`python -m <entry> RUN_DIR`)."""
     resources: ComponentConfig
 
 
 def plan(config: RLConfig, entries: dict[str, str] | None = None) -> list[Component]:
-    """The two components of the job, after checking that the shapes fit together.
+    """The components of the job (a judge's with a reward function of type judge), after checking that
+    the shapes fit together.
 
     `entries` replaces a role's entry module (e.g. the cluster self-check instead of the RL loop).
     """
-    entries = {"generator": "rltools.jobs.generator", "trainer": "rltools.jobs.trainer", **(entries or {})}
+    entries = {"generator": "rltools.jobs.generator", "trainer": "rltools.jobs.trainer", "judge": "rltools.jobs.judge",
+               **(entries or {})}
     components = [
         Component(GENERATOR_GROUP, "generators", "generator", entries["generator"], config.cluster.generators),
         Component(TRAINER_GROUP, "trainers", "trainer", entries["trainer"], config.cluster.trainers),
     ]
+    if config.reward.uses_judge:
+        components.append(Component(JUDGE_GROUP, "judges", "judge", entries["judge"], config.cluster.judges))
     check_topology(config)
     return components
 
@@ -48,6 +53,13 @@ def check_topology(config: RLConfig) -> None:
             f"cluster.generators: {gens.ntasks_per_node} engine(s) per node x generator.tensor_parallel_size {tp} "
             f"= {gens.ntasks_per_node * tp} GPUs, but gpus_per_node is {gens.gpus_per_node}; "
             f"set cluster.generators.ntasks_per_node to {max(1, gens.gpus_per_node // tp)}"
+        )
+    judges, judge_tp = config.cluster.judges, config.reward.judge.tensor_parallel_size
+    if config.reward.uses_judge and judges.gpus_per_node and judges.ntasks_per_node * judge_tp != judges.gpus_per_node:
+        raise UserError(
+            f"cluster.judges: {judges.ntasks_per_node} engine(s) per node x reward.judge.tensor_parallel_size {judge_tp} "
+            f"= {judges.ntasks_per_node * judge_tp} GPUs, but gpus_per_node is {judges.gpus_per_node}; "
+            f"set cluster.judges.ntasks_per_node to {max(1, judges.gpus_per_node // judge_tp)}"
         )
     if trainers.gpus_per_node and trainers.ntasks_per_node != trainers.gpus_per_node:
         raise UserError(

@@ -41,6 +41,8 @@ def preflight(config: RLConfig) -> list[str]:
         notes += untested_note(check_model(config).get("model_type"))
     if ("lora.init_from", config.lora.init_from) not in hidden:
         check_init_adapter(config.lora)
+    if ("reward.judge.model", config.reward.judge.model) not in hidden:
+        notes += check_judge(config)
     return notes + check_sandbox(config) + check_data(config, skip={path for _, path in hidden})
 
 
@@ -117,17 +119,29 @@ def _packed_fp4_generators(config: RLConfig) -> bool:
 
 
 def _paths(config: RLConfig) -> list[tuple[str, str]]:
-    return [("model.path", config.model.path), *config.input_paths()]
+    judge = [("reward.judge.model", config.reward.judge.model)] if config.reward.uses_judge else []
+    return [("model.path", config.model.path), *judge, *config.input_paths()]
 
 
-def check_model_dir(path: Path) -> dict:
+def check_judge(config: RLConfig) -> list[str]:
+    """The judge model's directory (a reward function of type judge); notes on what a CPU judge needs."""
+    if not config.reward.uses_judge:
+        return []
+    check_model_dir(Path(config.reward.judge.model), key="reward.judge.model")
+    if not config.cluster.judges.gpus_per_node and config.reward.judge.kv_cache_memory_bytes is None:
+        return ["CPU judge engines without reward.judge.kv_cache_memory_bytes: vLLM takes ~90% of their node's memory "
+                "for its KV cache"]
+    return []
+
+
+def check_model_dir(path: Path, key: str = "model.path") -> dict:
     """The model directory holds a config, weights and a tokenizer; returns its config.json."""
-    where = f"model.path {path}"
+    where = f"{key} {path}"
     if not path.exists():
-        raise UserError(f"{where} does not exist; point model.path (or the environment variable it expands) at a "
+        raise UserError(f"{where} does not exist; point {key} (or the environment variable it expands) at a "
                         "Hugging Face model directory")
     if not path.is_dir():
-        raise UserError(f"{where} is a file; model.path must be a Hugging Face model directory")
+        raise UserError(f"{where} is a file; {key} must be a Hugging Face model directory")
     config_file = path / "config.json"
     try:
         model_config = json.loads(config_file.read_text())

@@ -11,8 +11,9 @@ What is ours:
   renders templates/sbatch/rl_job.sbatch.j2: the script `rltools render` writes for plain sbatch
   users, with submitit's command on each srun line.
 - The task count (`_num_tasks`): the trainer component's ranks; trainer rank 0's result is the job's.
-- One submitit folder per component. Both components number their tasks from 0, and submitit names
-  a result after the task number alone; the submitted pickle is linked into the generators' folder.
+- One submitit folder per component. The components number their tasks from 0, and submitit names
+  a result after the task number alone; the submitted pickle is linked into the generators' (and
+  the judges') folder.
 - Job state from `squeue --states=all`. submitit's watcher asks `sacct`, which needs an accounting
   database many clusters (and our local one) lack, and then waits forever. `sacct` is the fall-back
   for a job squeue has forgotten (MinJobAge), and the job script's exit files the last resort.
@@ -37,12 +38,12 @@ from submitit.core import core
 from ..config.schema import RLConfig
 from ..errors import UserError
 from ..paths import ROLES, RunPaths
-from ..runtime.role_env import GENERATOR_GROUP, TRAINER_GROUP
+from ..runtime.role_env import GENERATOR_GROUP, JUDGE_GROUP, TRAINER_GROUP
 from . import container
 from .run_lock import RunInUse
 from .sbatch import render_sbatch
 
-COMPONENTS = {GENERATOR_GROUP: "generators", TRAINER_GROUP: "trainers"}
+COMPONENTS = {GENERATOR_GROUP: "generators", TRAINER_GROUP: "trainers", JUDGE_GROUP: "judges"}
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING"})
 LEFT_QUEUE = "LEFT_QUEUE"
@@ -135,9 +136,11 @@ class HetJobExecutor(submitit.SlurmExecutor):
 
     def _internal_process_submissions(self, delayed_submissions):
         jobs = super()._internal_process_submissions(delayed_submissions)
-        for job in jobs:  # the generator tasks read the same call from their own folder
+        for job in jobs:  # the generator (and judge) tasks read the same call from their own folder
             pickle = job.paths.submitted_pickle
-            os.link(pickle, self.paths.submitit_dir("generator") / pickle.name)
+            for role in ROLES:
+                if role != "trainer":
+                    os.link(pickle, self.paths.submitit_dir(role) / pickle.name)
         return jobs
 
 

@@ -24,7 +24,7 @@ from .logs import failing_log_tail
 from .progress import eta, step_line
 from ..records import read_evals, read_json, read_metrics, set_results
 
-COMPONENT_OF = {"generator": "generators", "trainer": "trainers"}
+COMPONENT_OF = {"generator": "generators", "trainer": "trainers", "judge": "judges"}
 UNSEEN_S = 120.0  # a submitted job squeue has not shown by then is not going to appear
 
 
@@ -172,7 +172,7 @@ def _read_exits(status: RunStatus, paths: RunPaths, attempt: int) -> None:
     exits = _exit_codes(paths, attempt)
     if status.state == "UNKNOWN" and exits:  # the job left the queue and there is no accounting
         # the trainers' end is the run's: engines lost on the way fail their component, not the run
-        status.state = "COMPLETED" if exits.get("trainer") == 0 and len(exits) == len(ROLES) else "FAILED"
+        status.state = "COMPLETED" if exits.get("trainer") == 0 and "generator" in exits else "FAILED"
     # on a signal, at a checkpoint: resumable; unless the generators refused their input (UserError's exit 2:
     # a broken reward) and the trainers were stopped for it. Generators killed at a time limit exit otherwise.
     refused = exits.get("generator") == UserError.exit_code

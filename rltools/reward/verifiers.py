@@ -166,6 +166,14 @@ class Reward:
         named, failed_by = (named, failed_by) if self.named else ({}, {})
         return Scores(total, union, named=named, failed_by=failed_by)
 
+    def connect_judge(self, client) -> None:
+        """Give the judge functions among these their way to the judge engines (a JudgeClient)."""
+        from .judge import JudgeScorer
+
+        for function in self.functions:
+            if isinstance(function.scorer, JudgeScorer):
+                function.scorer.client = client
+
     def close(self) -> None:
         for function in self.functions:
             function.scorer.close()
@@ -208,6 +216,10 @@ def _scorer(entry: RewardFunctionConfig, config: RewardConfig, what: str) -> Sco
         from .code import CodeScorer  # the sandbox: only where a code reward runs
 
         return CodeScorer(config.code, timeout_s)
+    if entry.type == "judge":
+        from .judge import JudgeScorer
+
+        return JudgeScorer(config.judge)
     # find_spec, not an import: only the workers need math-verify (and sympy) in memory
     if entry.type == "math_verify" and importlib.util.find_spec("math_verify") is None:
         raise UserError(f"{what} needs the math-verify package: pip install 'rltools[math]'")

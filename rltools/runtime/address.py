@@ -25,10 +25,7 @@ def wait_for_address(path: Path, attempt: int | str, timeout_s: float, publisher
     deadline = time.monotonic() + timeout_s
     delay, found = 0.05, None
     while True:
-        try:
-            found = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            found = None
+        found = _read(path)
         if found and found.get("attempt") == attempt:
             return found["host"], int(found["port"])
         left = deadline - time.monotonic()
@@ -42,10 +39,21 @@ def wait_for_address(path: Path, attempt: int | str, timeout_s: float, publisher
         delay = min(delay * 2, 1.0)
 
 
+def read_address(path: Path, attempt: int | str) -> tuple[str, int] | None:
+    """(host, port) from `path` if it holds `attempt` now; None otherwise (no waiting)."""
+    found = _read(path)
+    return (found["host"], int(found["port"])) if found and found.get("attempt") == attempt else None
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def published_attempt(path: Path) -> str | None:
     """The attempt whose address `path` holds now (None: none published): an engine that joins a
     running run from a job of its own (`rltools join`) joins whatever start of the run is running."""
-    try:
-        return json.loads(path.read_text()).get("attempt")
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    found = _read(path)
+    return found.get("attempt") if found else None

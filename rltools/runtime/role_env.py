@@ -20,6 +20,8 @@ FIRST_ENGINE = "RLTOOLS_FIRST_ENGINE"
 # Hetjob component indices, for the Slurm and the local launcher alike (launch.plan lays the job out so)
 GENERATOR_GROUP = 0
 TRAINER_GROUP = 1
+JUDGE_GROUP = 2
+"""Only in a job with a judge (reward.judge)."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class RoleEnv:
     launcher: str
     """slurm or local."""
     role: str
-    """generator or trainer."""
+    """generator, trainer or judge."""
     rank: int
     """Rank within the role (0..world_size-1)."""
     world_size: int
@@ -49,8 +51,8 @@ class RoleEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RoleEnv":
         env = os.environ if environ is None else environ
         role = _require(env, ROLE)
-        if role not in ("generator", "trainer"):
-            raise UserError(f"{ROLE}={role!r}: expected generator or trainer")
+        if role not in ("generator", "trainer", "judge"):
+            raise UserError(f"{ROLE}={role!r}: expected generator, trainer or judge")
         if env.get("RLTOOLS_LAUNCHER") == "local" or "SLURM_JOB_ID" not in env:
             return cls._local(env, role)
         if FIRST_ENGINE in env:

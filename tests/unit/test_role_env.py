@@ -60,7 +60,7 @@ def test_missing_role_names_the_variable():
 
 
 def test_bad_role():
-    with pytest.raises(UserError, match="expected generator or trainer"):
+    with pytest.raises(UserError, match="expected generator, trainer or judge"):
         RoleEnv.from_environ({"RLTOOLS_ROLE": "evaluator"})
 
 
