@@ -4,6 +4,8 @@ import json
 import subprocess
 import time
 
+from tests.judges import TINY_JUDGE
+
 from rltools.launch.slurm import SqueueJob
 from rltools.paths import RunPaths
 
@@ -76,8 +78,9 @@ def test_a_failing_generator_fails_the_job_fast_and_is_named(slurm, repo, tmp_pa
 
 
 def test_cancel_stops_every_process_of_the_job(slurm, repo, tmp_path):
+    """Every component's, a judge's included (its vLLM engine-core process too)."""
     run_dir = tmp_path / "run"
-    result = submit(repo, run_dir, "schedule.steps=5000", wait=False)
+    result = submit(repo, run_dir, "schedule.steps=5000", *TINY_JUDGE, wait=False)
     assert result.returncode == 0, result.stderr
     # vLLM's engine-core process starts in ~15 s idle, minutes on a loaded 2-core machine (the suite
     # runs three processes): the deadline is for a job that never trains, not for a slow start.
