@@ -41,6 +41,7 @@ from ..runtime.roles import (
 )
 from ..weight_formats import weight_format
 from .evaluation import evaluate, record_eval
+from ..reward.judge import JudgeLost
 from .judge import judge_client
 from .supervisor import ENGINE, JOINED
 from .vllm_engine import GroupBroken, GroupDropped, VLLMEngine, request_seed
@@ -48,7 +49,7 @@ from .vllm_engine import GroupBroken, GroupDropped, VLLMEngine, request_seed
 log = logging.getLogger("rltools.generator")
 
 
-def run_generator(run_dir: str) -> None:
+def run_generator(run_dir: str) -> int | None:
     env = RoleEnv.from_environ()
     paths = RunPaths(run_dir)
     config = load_config(paths.config)
@@ -59,6 +60,9 @@ def run_generator(run_dir: str) -> None:
         task.reward.connect_judge(judge_client(paths, config, run_attempt(env, paths)))
     try:
         generate(env, paths, config, task, sets)
+    except JudgeLost as err:
+        log.error("%s; this engine stops (their logs: rltools logs %s --role judge)", err, paths.root)
+        return JudgeLost.exit_code
     finally:
         sets.close()
         task.reward.close()

@@ -4,8 +4,8 @@ its own node, in its own Slurm task. The new engine joins the weight-sync group 
 sync (`train.fleet`) and takes its slots back from the engines that covered for it.
 
 Invariants: at most generator.max_engine_restarts restarts per task; an engine that ended well
-(exit 0), refused its input (exit 2, a UserError) or died before it joined the run (vLLM refusing
-to start, say) is not restarted: it would only fail again;
+(exit 0), refused its input (exit 2, a UserError), lost every judge engine (exit 4) or died before it
+joined the run (vLLM refusing to start, say) is not restarted: it would only fail again;
 the engine dies with the supervisor (PR_SET_PDEATHSIG), and a fault planned for the task
 (RLTOOLS_FAULT) fires in the first engine only.
 """
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from ..reward.judge import JudgeLost
 
 ENGINE = "RLTOOLS_ENGINE_RESTART"
 """Set in the engine process: how many times its task's engine was started before (0: the first)."""
@@ -58,7 +60,7 @@ def _run(run_dir: str, paths, config, joined: Path) -> int:
         engine = subprocess.Popen([sys.executable, "-m", "rltools.jobs.generator", run_dir], env=env,
                                   preexec_fn=_die_with_parent)
         code = _wait(engine, paths, config.schedule.steps, joined if restart else None)
-        if code in (0, 2, -signal.SIGTERM):
+        if code in (0, 2, JudgeLost.exit_code, -signal.SIGTERM):
             return code if code >= 0 else 0
         if not joined.exists():  # vLLM refused to start, say: it would again, each time
             log.error("the engine failed (exit %d) before it joined the run: not restarted", code)

@@ -10,8 +10,8 @@ Invariants:
 - A scoring batch is split across the judge engines that are up; an engine that cannot be reached
   (connection refused, reset, closed before its reply) is lost for the rest of the attempt and its
   share goes to the others, as a lost generator engine's slots go to the other engines. With none
-  left, JudgeLost ends the generator (the run then stops, or requeues after steps were trained, as
-  when every generator engine is gone).
+  left, JudgeLost ends the generator, unrestarted (the run then stops, or requeues after steps were
+  trained, as when every generator engine is gone; a new start of the job starts new judges).
 - reward.judge.timeout_s is the batch's deadline: calls still without a reply then time out. A reply
   without a score in 0..score_max (`score_pattern`), or a template that fails on a row, is a failed
   call. All of them score 0 and are counted and judged as any reward function's failures are.
@@ -43,7 +43,10 @@ Endpoint = tuple[str, int]
 
 
 class JudgeLost(RuntimeError):
-    """No judge engine is left to ask (or none started in reward.judge.start_timeout_s)."""
+    """No judge engine is left to ask (or none started in reward.judge.start_timeout_s): the generator ends
+    with `exit_code`, which its supervisor does not restart (a new engine would find no judge either)."""
+
+    exit_code = 4
 
 
 def mac(secret: bytes, body: bytes) -> str:
@@ -134,7 +137,7 @@ class JudgeClient:
                 return found
             if self.lost:
                 raise JudgeLost("every judge engine is gone: " + "; ".join(
-                    f"judge {engine}: {why}" for engine, why in sorted(self.lost.items())) + " (their logs say why)")
+                    f"judge {engine}: {why}" for engine, why in sorted(self.lost.items())))
             if time.monotonic() >= deadline:
                 raise JudgeLost(f"no judge engine came up within reward.judge.start_timeout_s "
                                 f"({self.start_timeout_s:.0f} s): see the judge logs (rltools logs RUN --role judge)")
