@@ -5,9 +5,10 @@ Each judge task loads reward.judge.model into a vLLM engine, answers scoring req
 node and publishes its address for this attempt in the run directory (`RunPaths.judge_address`); it
 serves until the trainers and the generators of its attempt have ended (the job script writes their exit
 files: `RunPaths.component_exit`), or SIGTERM (the local launcher's stop, scancel); until it serves,
-SIGTERM ends it at once (`runtime.preempt.catch_early`). Slurm's preemption warning does not stop it: the
-generators may still score while the trainers checkpoint. A generator finds the engines published for its attempt anew at each
-batch, so an engine that starts late is used from then on, and a lost one is left out.
+SIGTERM ends it at once (`runtime.preempt.catch_early`). Slurm's preemption warning does not stop it:
+the generators may still score while the trainers checkpoint. A generator finds the engines published
+for its attempt anew at each batch, so an engine that starts late is used from then on, and a lost one
+is left out.
 """
 
 import logging

@@ -22,6 +22,7 @@ from ..data.eval_sets import EvalSets, eval_sets
 from ..data.tasks import load_tokenizer, make_task
 from ..errors import UserError
 from ..paths import RunPaths
+from ..reward.judge import JudgeLost
 from ..rollout import RolloutBatch, RolloutStore, Sample
 from ..runtime import faults
 from ..runtime.address import published_attempt
@@ -41,7 +42,6 @@ from ..runtime.roles import (
 )
 from ..weight_formats import weight_format
 from .evaluation import evaluate, record_eval
-from ..reward.judge import JudgeLost
 from .judge import judge_client
 from .supervisor import ENGINE, JOINED
 from .vllm_engine import GroupBroken, GroupDropped, VLLMEngine, request_seed
