@@ -57,10 +57,10 @@ def run_role(role: str, argv: list[str]) -> int:
 
 def check_model_first(role: str, run_dir: str) -> bool:
     """`submit`'s checks of model.path (a judge's: reward.judge.model), again, before the role imports
-    torch or loads anything: under
-    Slurm `submit` skips them when the login node does not see model.path (node-local scratch, a
-    filesystem of the compute nodes), and a bad model would otherwise fail minutes later, deep inside
-    the loading or out of memory. Prints the same message as `submit` would; False when it failed."""
+    torch or loads anything: under Slurm `submit` skips them when the login node does not see the
+    model (node-local scratch, a filesystem of the compute nodes), and a bad model would otherwise fail
+    minutes later, deep inside the loading or out of memory. Prints the same message as `submit`
+    would; False when it failed."""
     from rltools.config import load_config
     from rltools.errors import UserError
     from rltools.launch.preflight import check_judge, check_model
@@ -68,7 +68,10 @@ def check_model_first(role: str, run_dir: str) -> bool:
 
     try:
         config = load_config(RunPaths(run_dir).config)
-        check_judge(config) if role == "judge" else check_model(config)
+        if role == "judge":
+            check_judge(config)
+        else:
+            check_model(config)
     except UserError as err:
         print(f"error: {role}: {err}", file=sys.stderr, flush=True)
         return False

@@ -47,20 +47,10 @@ def plan(config: RLConfig, entries: dict[str, str] | None = None) -> list[Compon
 
 def check_topology(config: RLConfig) -> None:
     gens, trainers = config.cluster.generators, config.cluster.trainers
-    tp = config.generator.tensor_parallel_size
-    if gens.gpus_per_node and gens.ntasks_per_node * tp != gens.gpus_per_node:
-        raise UserError(
-            f"cluster.generators: {gens.ntasks_per_node} engine(s) per node x generator.tensor_parallel_size {tp} "
-            f"= {gens.ntasks_per_node * tp} GPUs, but gpus_per_node is {gens.gpus_per_node}; "
-            f"set cluster.generators.ntasks_per_node to {max(1, gens.gpus_per_node // tp)}"
-        )
-    judges, judge_tp = config.cluster.judges, config.reward.judge.tensor_parallel_size
-    if config.reward.uses_judge and judges.gpus_per_node and judges.ntasks_per_node * judge_tp != judges.gpus_per_node:
-        raise UserError(
-            f"cluster.judges: {judges.ntasks_per_node} engine(s) per node x reward.judge.tensor_parallel_size {judge_tp} "
-            f"= {judges.ntasks_per_node * judge_tp} GPUs, but gpus_per_node is {judges.gpus_per_node}; "
-            f"set cluster.judges.ntasks_per_node to {max(1, judges.gpus_per_node // judge_tp)}"
-        )
+    _check_engines("generators", gens, "generator.tensor_parallel_size", config.generator.tensor_parallel_size)
+    if config.reward.uses_judge:
+        _check_engines("judges", config.cluster.judges, "reward.judge.tensor_parallel_size",
+                       config.reward.judge.tensor_parallel_size)
     if trainers.gpus_per_node and trainers.ntasks_per_node != trainers.gpus_per_node:
         raise UserError(
             f"cluster.trainers.ntasks_per_node ({trainers.ntasks_per_node}) must equal "
@@ -87,6 +77,16 @@ def check_topology(config: RLConfig) -> None:
     missing = megatron_unsupported(config) if t.backend == "megatron" else []
     if missing:  # at submit time: not after the job waited in the queue for its nodes
         raise UserError("trainer.backend: megatron does not support " + "; ".join(missing) + " yet — use trainer.backend: fsdp2")
+
+
+def _check_engines(name: str, component: ComponentConfig, tp_key: str, tp: int) -> None:
+    """A component of vLLM engines (one a task, `tp` GPUs each) asks for exactly the GPUs its engines use."""
+    if component.gpus_per_node and component.ntasks_per_node * tp != component.gpus_per_node:
+        raise UserError(
+            f"cluster.{name}: {component.ntasks_per_node} engine(s) per node x {tp_key} {tp} "
+            f"= {component.ntasks_per_node * tp} GPUs, but gpus_per_node is {component.gpus_per_node}; "
+            f"set cluster.{name}.ntasks_per_node to {max(1, component.gpus_per_node // tp)}"
+        )
 
 
 def describe(config: RLConfig, components: list[Component]) -> str:
